@@ -1,0 +1,1 @@
+"""HTTP API (FastAPI). Filled by the service issue; it never imports torch."""

@@ -1,0 +1,143 @@
+"""The ``rlhf`` command line: run jobs locally, without any server.
+
+    rlhf demo [--out runs/demo]                 the built-in SFT → RM → PPO pipeline, with a before/after table
+    rlhf train SPEC.(yaml|json) --out DIR       one job; DIR gets checkpoints/step-N/ and job.json
+    rlhf generate --model DIR --prompt TEXT     sample from a job folder, a checkpoint or any causal LM
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from tqdm import tqdm
+
+from engine.callbacks import Callbacks
+from engine.config import JobSpec, format_errors
+
+# Key metrics shown next to the progress bar, per job type.
+PROGRESS_KEYS = {
+    "sft": ("loss/sft", "eval/loss"),
+    "rm": ("loss/rm", "rm/accuracy", "eval/accuracy"),
+    "ppo": ("objective/scores", "objective/kl", "response/length_mean"),
+}
+
+
+class ProgressBar(Callbacks):
+    """A tqdm bar with the job's key metrics; events are printed above it."""
+
+    def __init__(self, job_type: str, label: str) -> None:
+        self.keys = PROGRESS_KEYS[job_type]
+        self.label = label
+        self.bar: tqdm | None = None
+        self.shown: dict[str, float] = {}
+
+    def on_start(self, start_step: int, total_steps: int) -> None:
+        self.bar = tqdm(total=total_steps, initial=start_step, desc=self.label, unit="step", dynamic_ncols=True)
+
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        assert self.bar is not None
+        self.shown.update({k.split("/")[-1] if k.startswith("objective") else k: metrics[k] for k in self.keys if k in metrics})
+        self.bar.set_postfix({k: f"{v:.3g}" for k, v in self.shown.items()}, refresh=False)
+        self.bar.update(step - self.bar.n)
+
+    def on_event(self, kind: str, message: str, data: dict[str, object] | None = None) -> None:
+        tqdm.write(f"[{self.label}] {kind}: {message}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def read_spec(path: Path) -> dict[str, Any]:
+    text = path.read_text(encoding="utf-8")
+    data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    if not isinstance(data, dict):
+        raise SystemExit(f"{path}: a job spec is a JSON/YAML object")
+    return data
+
+
+def parse_spec(data: dict[str, Any], source: str) -> JobSpec:
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as e:
+        raise SystemExit(f"{source}: invalid job spec\n{format_errors(e)}") from None
+
+
+def train(spec: JobSpec, out: Path, label: str | None = None) -> None:
+    from engine.run import run_job  # torch is imported only for commands that need it
+
+    bar = ProgressBar(spec.type, label or spec.name or spec.type)
+    started = time.perf_counter()
+    try:
+        result = run_job(spec, out, bar)
+    finally:
+        bar.close()
+    print(f"{bar.label}: {result.status} at step {result.step} in {time.perf_counter() - started:.1f}s -> {out}")
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    train(parse_spec(read_spec(args.spec), str(args.spec)), args.out)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from engine.generate import generate
+    from engine.models import load_causal_lm, load_tokenizer, pick_device, resolve_model_ref
+
+    ref = resolve_model_ref(args.model)
+    tokenizer = load_tokenizer(ref)
+    model = load_causal_lm(ref, tokenizer, seed=args.seed).to(pick_device())
+    completions = generate(
+        model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed
+    )
+    for c in completions:
+        print(json.dumps({"prompt": c.prompt, "text": c.text, "finish_reason": c.finish_reason}))
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from engine.demo import run_demo
+
+    run_demo(args.out, train)
+
+
+def quiet_transformers() -> None:
+    """Keep transformers' own progress bars and notices out of ours."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rlhf", description="Train language models from human feedback.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="run the built-in SFT → RM → PPO pipeline and compare before/after")
+    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="folder for the three jobs (default runs/demo)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("train", help="run one job spec locally")
+    p.add_argument("spec", type=Path, help="job spec, .json or .yaml (the body of POST /v1/jobs)")
+    p.add_argument("--out", type=Path, required=True, help="job folder: checkpoints and job.json; resumes if present")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("generate", help="sample completions from a model")
+    p.add_argument("--model", required=True, help="job folder, checkpoint folder, local model or hub id")
+    p.add_argument("--prompt", required=True, action="append", help="prompt text; repeat for several")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+    args = parser.parse_args(argv)
+    quiet_transformers()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,302 @@
+"""Job specs and hyperparameters (torch-free, so the API can validate without importing torch).
+
+A :class:`JobSpec` is the body of ``POST /v1/jobs`` and of ``rlhf train SPEC``. Every field has
+a docstring and a validated range; unknown fields are errors. Derived batch sizes are computed
+once here with exact-division checks, so a bad spec fails before any model is loaded.
+"""
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from engine.builtin import DATASETS
+
+JobType = Literal["sft", "rm", "ppo"]
+Scheduler = Literal["constant", "linear", "cosine"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class TrainConfig(_Strict):
+    """Fields shared by every job type."""
+
+    learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-4
+    """Peak AdamW learning rate."""
+    weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """AdamW decoupled weight decay."""
+    adam_betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
+    adam_eps: Annotated[float, Field(gt=0, le=1e-3)] = 1e-8
+    """AdamW epsilon."""
+    lr_scheduler: Scheduler = "linear"
+    """Decay after warm-up: constant, linear to 0, or cosine to 0 at the last step."""
+    warmup_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    """Optimizer steps of linear warm-up from 0 to ``learning_rate``."""
+    max_grad_norm: Annotated[float, Field(gt=0, le=1e6)] | None = 1.0
+    """Clip the global gradient norm to this value (None: no clipping)."""
+    gradient_accumulation_steps: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Micro-batches per optimizer step; the batch must divide into them exactly."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights and compute dtype. bfloat16 needs a device that supports it."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    max_length: Annotated[int, Field(ge=8, le=131_072)] = 128
+    """Longest prompt + completion in tokens; longer examples are truncated from the left of the prompt."""
+
+
+class SFTConfig(TrainConfig):
+    """Supervised fine-tuning: causal-LM loss on completion tokens only (prompt masked)."""
+
+    learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-3
+    """Peak AdamW learning rate."""
+    batch_size: Annotated[int, Field(ge=1, le=65_536)] = 32
+    """Examples per optimizer step (split into ``gradient_accumulation_steps`` micro-batches)."""
+    epochs: Annotated[float, Field(gt=0, le=1000)] = 3.0
+    """Passes over the dataset; fractions allowed. Ignored when ``max_steps`` is set."""
+    max_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    """Total optimizer steps, overriding ``epochs``."""
+    eval_every: Annotated[int, Field(ge=1)] | None = None
+    """Compute ``eval/loss`` every this many steps (and at the end) when an eval dataset is given."""
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.gradient_accumulation_steps
+
+    @model_validator(mode="after")
+    def _divides(self) -> "SFTConfig":
+        _check_divides("batch_size", self.batch_size, "gradient_accumulation_steps", self.gradient_accumulation_steps)
+        return self
+
+
+class RMConfig(SFTConfig):
+    """Reward model: pairwise loss -log σ(r_chosen - r_rejected - margin) on a scalar head."""
+
+    learning_rate: Annotated[float, Field(gt=0, le=1)] = 5e-4
+    """Peak AdamW learning rate."""
+    epochs: Annotated[float, Field(gt=0, le=1000)] = 1.0
+    """Passes over the preference pairs; fractions allowed. Ignored when ``max_steps`` is set."""
+    margin: Annotated[float, Field(ge=0, le=100)] = 0.0
+    """Required score gap between chosen and rejected (0: plain Bradley-Terry loss)."""
+    lm_loss_coef: Annotated[float, Field(ge=0, le=100)] = 0.0
+    """Weight of an LM loss on the chosen completion (MOSS-RLHF, arXiv:2307.04964); 0 disables it."""
+
+
+class PPOConfig(TrainConfig):
+    """PPO with a KL penalty to a frozen reference (Ziegler et al., arXiv:1909.08593)."""
+
+    learning_rate: Annotated[float, Field(gt=0, le=1)] = 3e-5
+    """Policy AdamW learning rate."""
+    value_learning_rate: Annotated[float, Field(gt=0, le=1)] | None = None
+    """Critic AdamW learning rate (None: same as ``learning_rate``)."""
+    total_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
+    """PPO steps; one step is one rollout batch and its PPO epochs."""
+    batch_size: Annotated[int, Field(ge=1, le=65_536)] = 64
+    """Prompts per rollout."""
+    mini_batch_size: Annotated[int, Field(ge=1, le=65_536)] = 32
+    """Rollouts per optimizer step; ``batch_size`` must be a multiple of it."""
+    ppo_epochs: Annotated[int, Field(ge=1, le=100)] = 2
+    """Passes over each rollout batch."""
+    max_prompt_length: Annotated[int, Field(ge=1, le=131_072)] = 64
+    """Prompts longer than this are truncated from the left."""
+    response_length: Annotated[int, Field(ge=1, le=65_536)] = 24
+    """Tokens sampled per response (fewer when every response stopped)."""
+    temperature: Annotated[float, Field(gt=0, le=10)] = 0.7
+    """Sampling temperature; logprobs in training use the same temperature."""
+    top_k: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    """Sample from the k most likely tokens only (0: the whole vocabulary)."""
+    stop_token: Literal["eos"] | None = "eos"
+    """Truncate each response after its first EOS token (None: never truncate)."""
+    missing_eos_penalty: Annotated[float, Field(ge=0, le=1000)] = 1.0
+    """Subtracted from the score of a response that did not stop (only with ``stop_token``)."""
+    normalize_scores: bool = False
+    """Normalise scores by the running mean/std of all scores so far (PPO-max, arXiv:2307.04964)."""
+    score_clip: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    """Clip (normalised) scores to [-score_clip, score_clip]."""
+    kl_coef: Annotated[float, Field(ge=0, le=100)] = 0.05
+    """Initial coefficient β of the per-token KL penalty."""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """Per-token KL estimator (http://joschu.net/blog/kl-approx.html): k1 = logp - ref, k3 = e^-k1 - 1 + k1."""
+    adaptive_kl: bool = False
+    """Adapt β towards ``kl_target`` (Ziegler et al. 2019) instead of keeping it fixed."""
+    kl_target: Annotated[float, Field(gt=0, le=1000)] = 6.0
+    """Target KL per sequence for the adaptive controller."""
+    kl_horizon: Annotated[int, Field(ge=1, le=100_000_000)] = 10_000
+    """Horizon (in rollouts) of the adaptive controller."""
+    gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
+    """Discount factor."""
+    lam: Annotated[float, Field(ge=0, le=1)] = 0.95
+    """GAE λ."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the valid tokens of the rollout batch."""
+    cliprange: Annotated[float, Field(gt=0, le=10)] = 0.2
+    """Policy ratio clip ε."""
+    cliprange_value: Annotated[float, Field(gt=0, le=1e6)] = 0.2
+    """Value clip ε_v around the rollout's values."""
+    vf_coef: Annotated[float, Field(ge=0, le=100)] = 0.1
+    """Weight of the value loss."""
+    entropy_coef: Annotated[float, Field(ge=0, le=100)] = 0.0
+    """Weight of the entropy bonus (0: off)."""
+    ptx_coef: Annotated[float, Field(ge=0, le=100)] = 0.0
+    """Weight of the pretraining (SFT) loss mixed into each minibatch (InstructGPT's PPO-ptx)."""
+    ptx_dataset: str | None = None
+    """SFT-kind dataset for the ptx loss; required when ``ptx_coef`` > 0."""
+    critic_warmup_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    """First steps that train only the critic (policy frozen)."""
+    target_approxkl: Annotated[float, Field(gt=0, le=1000)] | None = None
+    """Stop a step's remaining PPO epochs once a minibatch's approx-KL exceeds this."""
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.mini_batch_size // self.gradient_accumulation_steps
+
+    @property
+    def num_mini_batches(self) -> int:
+        return self.batch_size // self.mini_batch_size
+
+    @model_validator(mode="after")
+    def _divides(self) -> "PPOConfig":
+        _check_divides("batch_size", self.batch_size, "mini_batch_size", self.mini_batch_size)
+        _check_divides(
+            "mini_batch_size", self.mini_batch_size, "gradient_accumulation_steps", self.gradient_accumulation_steps
+        )
+        if self.ptx_coef > 0 and self.ptx_dataset is None:
+            raise ValueError("ptx_dataset is required when ptx_coef > 0")
+        if self.ptx_dataset is not None:
+            _check_dataset_ref(self.ptx_dataset, "sft")
+        return self
+
+
+class LoraSpec(_Strict):
+    """Low-rank adapters on the policy."""
+
+    r: Annotated[int, Field(ge=1, le=1024)] = 8
+    """Adapter rank."""
+    alpha: Annotated[float, Field(gt=0, le=4096)] = 16
+    """Scaling numerator (scale = alpha / r)."""
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Dropout on the adapter input."""
+    target_modules: Literal["auto"] | list[str] = "auto"
+    """Module names to adapt, or "auto" for the attention and MLP projections."""
+
+
+HYPERPARAMETERS: dict[str, type[TrainConfig]] = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig}
+_MODEL_REF = re.compile(r"^(builtin:[a-z0-9-]+|job:[A-Za-z0-9_-]+(@\d+)?|[^\s]+)$")
+_DATASET_REF = re.compile(r"^(builtin:[a-z0-9-]+|file-[A-Za-z0-9_-]+|[^\s]+\.jsonl)$")
+
+
+class JobSpec(_Strict):
+    """The body of ``POST /v1/jobs`` (DESIGN §2) and of ``rlhf train SPEC``."""
+
+    type: JobType
+    """Job type: sft, rm or ppo."""
+    name: Annotated[str, Field(max_length=200)] | None = None
+    """Optional label."""
+    model: Annotated[str, Field(min_length=1, max_length=500)]
+    """Starting model: builtin:tiny, job:<id>[@<step>], a hub id or a local path."""
+    dataset: Annotated[str, Field(min_length=1, max_length=500)]
+    """Training data: builtin:<name>, file-<id>, or (local CLI) a path to a .jsonl file."""
+    eval_dataset: Annotated[str, Field(min_length=1, max_length=500)] | None = None
+    """Held-out data of the same kind, for eval metrics."""
+    reward_model: Annotated[str, Field(min_length=1, max_length=500)] | None = None
+    """PPO only: a succeeded rm job, or any sequence-classification model."""
+    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+    """Type-specific settings (SFTConfig, RMConfig or PPOConfig); validated, defaults documented there."""
+    lora: LoraSpec | None = None
+    """Train low-rank adapters instead of all weights (null: full fine-tuning)."""
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    """Seeds initialisation, data order and sampling."""
+    checkpoint_every: Annotated[int, Field(ge=1, le=10_000_000)] = 50
+    """Save a checkpoint every this many steps (and always at the end)."""
+    keep_checkpoints: Annotated[int, Field(ge=1, le=1000)] = 3
+    """How many recent checkpoints to keep, besides the final one."""
+    metadata: dict[str, str] = Field(default_factory=dict)
+    """Free-form string labels (at most 16 keys, 64-char keys, 512-char values)."""
+
+    @field_validator("model", "reward_model")
+    @classmethod
+    def _model_ref(cls, value: str | None) -> str | None:
+        if value is not None and not _MODEL_REF.match(value):
+            raise ValueError(f"not a model reference: {value!r}")
+        return value
+
+    @field_validator("dataset", "eval_dataset")
+    @classmethod
+    def _dataset_kind(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and "type" in info.data:
+            _check_dataset_ref(value, info.data["type"])
+        return value
+
+    @field_validator("hyperparameters")
+    @classmethod
+    def _typed_hyperparameters(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "type" not in info.data:
+            return value
+        try:
+            config = HYPERPARAMETERS[info.data["type"]].model_validate(value)
+        except ValidationError as e:
+            raise ValueError(_flatten(e)) from None
+        return config.model_dump(mode="json")  # stored with every default filled in
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounded(cls, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in value.items()):
+            raise ValueError("at most 16 keys, keys up to 64 and values up to 512 characters")
+        return value
+
+    @model_validator(mode="after")
+    def _reward_model_for_ppo(self) -> "JobSpec":
+        if self.type == "ppo" and self.reward_model is None:
+            raise ValueError("reward_model is required for ppo jobs")
+        if self.type != "ppo" and self.reward_model is not None:
+            raise ValueError(f"reward_model applies to ppo jobs only, not {self.type}")
+        return self
+
+    @property
+    def config(self) -> TrainConfig:
+        """The typed hyperparameters of this job type."""
+        return HYPERPARAMETERS[self.type].model_validate(self.hyperparameters)
+
+
+def _check_divides(name: str, value: int, by_name: str, by: int) -> None:
+    if value % by:
+        raise ValueError(f"{name} ({value}) must be a multiple of {by_name} ({by})")
+
+
+def _check_dataset_ref(ref: str, kind: str) -> None:
+    if not _DATASET_REF.match(ref):
+        raise ValueError(f"not a dataset reference: {ref!r} (builtin:<name>, file-<id> or a .jsonl path)")
+    if ref.startswith("builtin:"):
+        name = ref.removeprefix("builtin:")
+        if name not in DATASETS:
+            raise ValueError(f"unknown built-in dataset {ref!r}; known: {', '.join(sorted(DATASETS))}")
+        if DATASETS[name][0] != kind:
+            raise ValueError(f"{ref} holds {DATASETS[name][0]} rows, but a {kind} dataset is needed")
+
+
+def _flatten(error: ValidationError) -> str:
+    """A nested model's errors as one message, each part led by its field name."""
+    parts = []
+    for e in error.errors(include_url=False):
+        message = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{'.'.join(map(str, e['loc']))}: {message}" if e["loc"] else message)
+    return "; ".join(parts)
+
+
+def format_errors(error: ValidationError) -> str:
+    """One line per error, each naming the field by its dotted path."""
+    return "\n".join(
+        f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg'].removeprefix('Value error, ')}"
+        for e in error.errors(include_url=False)
+    )

@@ -1,0 +1,112 @@
+"""Sampling with a KV cache, for PPO rollouts and for generating from any checkpoint."""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from engine.data import encode_prompts
+from engine.ops import position_ids_from_mask, truncate_after_stop
+
+
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """One token per row from (B, V) logits; temperature 0 is greedy. Returns (B,)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keeps at least the top token
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    probs = logits.softmax(-1)  # (B, V)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+@torch.inference_mode()
+def sample(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Sample up to ``max_new_tokens`` after left-padded prompts (B, P), reusing the KV cache.
+
+    Stops early once every row has produced ``eos_token_id``. Returns the raw tokens (B, T),
+    T ≤ max_new_tokens; tokens after a row's EOS are junk for the caller to truncate.
+    """
+    position_ids = position_ids_from_mask(attention_mask)  # (B, P)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+    next_positions = position_ids[:, -1:] + 1  # (B, 1)
+    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    tokens = []
+    for t in range(max_new_tokens):
+        token = sample_next(out.logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
+        tokens.append(token)
+        if eos_token_id is not None:
+            finished |= token == eos_token_id
+            if finished.all():
+                break
+        if t == max_new_tokens - 1:
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1)
+        out = model(
+            input_ids=token.unsqueeze(1),
+            attention_mask=attention_mask,
+            position_ids=next_positions,
+            cache=out.cache,
+            use_cache=True,
+        )
+        next_positions = next_positions + 1
+    return torch.stack(tokens, dim=1)  # (B, T)
+
+
+@dataclass
+class Completion:
+    prompt: str
+    text: str
+    finish_reason: str
+    """``stop`` when the model produced EOS, ``length`` when it ran out of tokens."""
+
+
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    max_new_tokens: int = 32,
+    temperature: float = 0.7,
+    top_p: float = 1.0,
+    seed: int = 0,
+    max_prompt_length: int = 512,
+) -> list[Completion]:
+    """Complete each prompt once; seeded, so the same call returns the same texts."""
+    device = next(model.parameters()).device
+    model.eval()
+    input_ids, attention_mask = encode_prompts(tokenizer, prompts, max_prompt_length)
+    generator = torch.Generator(device).manual_seed(seed)
+    raw = sample(
+        model,
+        input_ids.to(device),
+        attention_mask.to(device),
+        max_new_tokens,
+        temperature,
+        top_p=top_p,
+        eos_token_id=tokenizer.eos_token_id,
+        generator=generator,
+    )
+    responses, mask, stopped = truncate_after_stop(raw, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+    return [
+        Completion(prompt, text, "stop" if done else "length")
+        for prompt, text, done in zip(prompts, texts, stopped.tolist(), strict=True)
+    ]

@@ -1,0 +1,145 @@
+"""Plumbing shared by the three training loops: seeding, optimizer and schedule, and the end of a step
+(metrics, checkpoint, stop request). The loops themselves stay in sft.py, rm.py and ppo_train.py.
+"""
+
+import math
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from engine.callbacks import Callbacks
+from engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_job_file
+from engine.config import JobSpec, TrainConfig
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the job stops instead of corrupting its weights."""
+
+
+@dataclass
+class JobResult:
+    status: Literal["succeeded", "paused", "cancelled"]
+    step: int
+    """Last completed optimizer step."""
+    checkpoint: Path | None
+    """The checkpoint written last, if any."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Metrics of the last completed step."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig, lr: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        [p for p in params if p.requires_grad],
+        lr=lr,
+        betas=cfg.adam_betas,
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+    )
+
+
+def lr_factor(step: int, cfg: TrainConfig, total_steps: int) -> float:
+    """Multiplier of the peak learning rate at 0-based ``step``: linear warm-up, then the decay."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+    if cfg.lr_scheduler == "linear":
+        return 1.0 - progress
+    if cfg.lr_scheduler == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
+
+
+def clip_and_step(
+    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, max_grad_norm: float | None
+) -> float:
+    """Clip the global gradient norm, step the optimizer, clear gradients; returns the norm before clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item()
+
+
+def check_finite(name: str, value: float, step: int) -> None:
+    if not math.isfinite(value):
+        raise NonFiniteLossError(f"{name} is {value} at step {step}")
+
+
+class Run:
+    """One job's bookkeeping: where it resumes, when it checkpoints, how it ends."""
+
+    def __init__(
+        self, spec: JobSpec, out_dir: Path, callbacks: Callbacks, tokenizer: PreTrainedTokenizerBase
+    ) -> None:
+        self.spec = spec
+        self.out_dir = out_dir
+        self.callbacks = callbacks
+        self.tokenizer = tokenizer
+        self.total_steps = 0
+        self.last_checkpoint: Path | None = None
+        found = latest_checkpoint(out_dir)
+        self.resume_from = found[1] if found else None
+        """The checkpoint to resume from, or None for a fresh start."""
+
+    def model_ref(self, name: str, fresh_ref: str) -> str:
+        """Where to load model ``name`` from: the resume checkpoint's copy, else ``fresh_ref``."""
+        return str(self.resume_from / name) if self.resume_from else fresh_ref
+
+    def start(self, total_steps: int) -> tuple[int, dict[str, Any] | None]:
+        """Announce the job; returns (start step, trainer state to restore or None)."""
+        self.total_steps = total_steps
+        state = load_trainer_state(self.resume_from) if self.resume_from else None
+        start_step = state["step"] if state else 0
+        if state:
+            self.callbacks.on_event("info", f"resumed from step {start_step}", {"step": start_step})
+        self.callbacks.on_start(start_step, total_steps)
+        return start_step, state
+
+    def end_step(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        models: dict[str, PreTrainedModel],
+        state: Callable[[], dict[str, Any]],
+    ) -> JobResult | None:
+        """Report ``step``; checkpoint when due; returns the job's result once it is over, else None."""
+        self.callbacks.on_metrics(step, metrics)
+        final = step >= self.total_steps
+        stop = None if final else self.callbacks.should_stop()
+        if final or stop == "pause" or step % self.spec.checkpoint_every == 0:
+            self.last_checkpoint = save_checkpoint(
+                self.out_dir, step, models, self.tokenizer, state(), keep=self.spec.keep_checkpoints
+            )
+            self.callbacks.on_checkpoint(step, self.last_checkpoint, metrics)
+        if final:
+            write_job_file(
+                self.out_dir,
+                {"status": "succeeded", "type": self.spec.type, "final_step": step, "spec": self.spec.model_dump()},
+            )
+            return JobResult("succeeded", step, self.last_checkpoint, metrics)
+        if stop is not None:
+            return JobResult("paused" if stop == "pause" else "cancelled", step, self.last_checkpoint, metrics)
+        return None
+
+    def result_if_finished(self, start_step: int) -> JobResult | None:
+        """A job resumed from its final checkpoint has nothing left to do."""
+        if start_step >= self.total_steps:
+            return JobResult("succeeded", start_step, self.resume_from)
+        return None

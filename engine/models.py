@@ -1,0 +1,165 @@
+"""Loading models and tokenizers, and the per-token forwards every job shares.
+
+A model reference is ``builtin:tiny``, a hub id, a local Hugging Face directory, a job's
+output folder (its final checkpoint), or a checkpoint folder ``.../checkpoints/step-N``.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from engine import builtin
+from engine.ops import position_ids_from_mask
+
+
+class ModelNotFoundError(ValueError):
+    """A model reference names nothing loadable."""
+
+
+def resolve_model_ref(ref: str) -> str:
+    """Turn a job folder or checkpoint folder into the model directory inside it.
+
+    ``DIR`` (a finished job's output) → its final checkpoint's ``policy/``;
+    ``DIR/checkpoints/step-N`` → its ``policy/``; anything else is returned unchanged.
+    """
+    path = Path(ref)
+    if ref.startswith("builtin:") or not path.exists():
+        return ref
+    if (path / "policy" / "config.json").exists():
+        return str(path / "policy")
+    job_file = path / "job.json"
+    if job_file.exists():
+        job = json.loads(job_file.read_text())
+        if job.get("status") != "succeeded":
+            raise ModelNotFoundError(f"{ref}: the job has not succeeded (status {job.get('status')!r})")
+        return str(path / "checkpoints" / f"step-{job['final_step']}" / "policy")
+    if (path / "checkpoints").is_dir():
+        raise ModelNotFoundError(f"{ref}: the job has not finished; name one of its checkpoints instead")
+    return ref
+
+
+def load_tokenizer(ref: str) -> PreTrainedTokenizerBase:
+    """The tokenizer for a model reference, left-padding, with a pad token."""
+    if ref == builtin.TINY_MODEL:
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_file=str(builtin.TOKENIZER_FILE), eos_token=builtin.EOS_TOKEN, pad_token=builtin.PAD_TOKEN
+        )
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model_ref(ref), trust_remote_code=False)
+        except OSError as e:
+            raise ModelNotFoundError(f"cannot load a tokenizer from {ref!r}: {e}") from e
+    if tokenizer.eos_token_id is None:
+        raise ModelNotFoundError(f"the tokenizer of {ref!r} has no EOS token")
+    if tokenizer.pad_token_id is None:
+        # Masks are always built from lengths, never from pad ids, so reusing EOS is safe here.
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _tiny_config(tokenizer: PreTrainedTokenizerBase) -> GPT2Config:
+    return GPT2Config(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **builtin.TINY_CONFIG,
+    )
+
+
+def load_causal_lm(ref: str, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
+    """A causal LM (fp32, CPU; the caller moves it). ``builtin:tiny`` is initialised from ``seed``."""
+    torch.manual_seed(seed)
+    if ref == builtin.TINY_MODEL:
+        return GPT2LMHeadModel(_tiny_config(tokenizer))
+    return _from_pretrained(AutoModelForCausalLM, ref)
+
+
+def load_scalar_model(ref: str, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
+    """A sequence-classification model with one output: reward model or critic.
+
+    From a causal LM the scalar head starts random (seeded); from a reward model it is kept.
+    """
+    torch.manual_seed(seed)
+    if ref == builtin.TINY_MODEL:
+        config = _tiny_config(tokenizer)
+        config.num_labels = 1
+        return GPT2ForSequenceClassification(config)
+    model = _from_pretrained(AutoModelForSequenceClassification, ref, num_labels=1)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if not hasattr(model, "score"):
+        raise ModelNotFoundError(f"{ref!r}: a scalar head named 'score' is required (decoder-only models have one)")
+    return model
+
+
+def _from_pretrained(auto: type, ref: str, **kwargs: object) -> PreTrainedModel:
+    path = resolve_model_ref(ref)
+    try:
+        return auto.from_pretrained(path, trust_remote_code=False, use_safetensors=None, **kwargs)  # type: ignore[attr-defined]
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(f"cannot load {ref!r}: {e}") from e
+
+
+def prepare(model: PreTrainedModel, device: torch.device, dtype: str, gradient_checkpointing: bool) -> PreTrainedModel:
+    """Move to device and dtype, turn dropout off (PPO's ratios need a deterministic forward)."""
+    model.to(device=device, dtype=getattr(torch, dtype))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model
+
+
+def lm_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Next-token logits at every position: (B, L) -> (B, L, V). Positions follow the mask."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    return out.logits
+
+
+def scalar_outputs(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scalar head at every position, and the backbone's hidden states.
+
+    Returns (scores (B, L), hidden (B, L, H)). A reward is read at the last valid token; a
+    critic's values are read at every response position.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state  # (B, L, H)
+    return model.score(hidden).squeeze(-1).float(), hidden  # (B, L), (B, L, H)
+
+
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
+    """Hugging Face layout (safetensors + tokenizer), loadable by plain transformers."""
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,82 @@
+"""Masked statistics and token-level helpers. Pure functions, each tested against a naive loop."""
+
+import torch
+import torch.nn.functional as F
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over the positions where ``mask`` is 1 (over all dims, or along ``dim``)."""
+    if dim is None:
+        return (x * mask).sum() / mask.sum()
+    return (x * mask).sum(dim) / mask.sum(dim)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Biased variance over the masked positions, as in lm-human-preferences (not TRL's unbiased one)."""
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise ``x`` to unit variance (and zero mean when ``shift_mean``) over the masked positions.
+
+    Positions outside the mask come back as 0. lm-human-preferences/lm_human_preferences/utils/core_torch.py
+    """
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """Half-precision values to float32 for softmax; float32 and float64 stay as they are."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token) under ``logits``: (B, T, V), (B, T) -> (B, T)."""
+    logp = F.log_softmax(_upcast(logits), dim=-1)  # (B, T, V)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution at each position: (B, T, V) -> (B, T)."""
+    logp = F.log_softmax(_upcast(logits), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def first_true_index(bools: torch.Tensor) -> torch.Tensor:
+    """Index of the first True per row of a (B, T) tensor, or T where a row has none."""
+    T = bools.shape[-1]
+    positions = torch.arange(T, device=bools.device).expand_as(bools)
+    return torch.where(bools, positions, T).min(-1).values
+
+
+def truncate_after_stop(
+    responses: torch.Tensor, stop_token_id: int | None, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep each response up to and including its first stop token; pad the rest.
+
+    Returns (responses, mask, stopped): the padded responses (B, T), the mask of kept tokens
+    (B, T) and whether each row contained the stop token (B,).
+    """
+    B, T = responses.shape
+    if stop_token_id is None:
+        return responses, torch.ones_like(responses), torch.zeros(B, dtype=torch.bool, device=responses.device)
+    stop_at = first_true_index(responses == stop_token_id)  # (B,)
+    positions = torch.arange(T, device=responses.device).expand(B, T)
+    mask = (positions <= stop_at.unsqueeze(1)).long()  # (B, T)
+    return torch.where(mask.bool(), responses, pad_token_id), mask, stop_at < T
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counting valid tokens only, so left padding does not shift them: (B, T) -> (B, T)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_valid_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in each row of a (B, T) mask (rows may be padded on both sides)."""
+    T = attention_mask.shape[-1]
+    positions = torch.arange(T, device=attention_mask.device).expand_as(attention_mask)
+    return torch.where(attention_mask.bool(), positions, -1).max(-1).values

@@ -1,0 +1,223 @@
+"""PPO for language models as a token-level MDP (DESIGN §3; Ziegler et al., arXiv:1909.08593;
+"The N implementation details of RLHF with PPO", summarize_from_feedback_details/ppo.py).
+
+One step = sample a batch of prompts, roll out, shape rewards, GAE, then ``ppo_epochs`` passes of
+minibatch updates of policy and critic.
+"""
+
+import math
+import time
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.callbacks import Callbacks
+from engine.config import JobSpec, PPOConfig
+from engine.data import batch_indices, encode_prompts, encode_sft_batch, load_rows
+from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
+from engine.models import load_causal_lm, load_scalar_model, load_tokenizer, prepare
+from engine.ops import entropy_from_logits, masked_mean, masked_whiten
+from engine.ppo import (
+    AdaptiveKLController,
+    FixedKLController,
+    RunningMoments,
+    compute_gae,
+    compute_rewards,
+    explained_variance,
+    kl_per_token,
+    policy_loss,
+    value_loss,
+)
+from engine.rollout import make_rollout, response_logprobs, response_values
+from engine.sft import completion_loss_sum, count_labels
+
+
+def frozen(model: PreTrainedModel) -> PreTrainedModel:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
+    cfg = spec.config
+    assert isinstance(cfg, PPOConfig) and spec.reward_model is not None
+    seed_everything(spec.seed)
+
+    # 1. data: prompts, and SFT rows for the optional pretraining (ptx) loss
+    prompts = [r["prompt"] for r in load_rows(spec.dataset, "ppo")]
+    ptx_rows = load_rows(cfg.ptx_dataset, "sft") if cfg.ptx_dataset and cfg.ptx_coef > 0 else []
+
+    # 2. models: trained policy and critic (critic starts as the reward model, PPO-max), frozen
+    #    reference (the starting policy) and frozen reward model
+    tokenizer = load_tokenizer(spec.model)
+    run = Run(spec, out_dir, callbacks, tokenizer)
+
+    def load(model: PreTrainedModel) -> PreTrainedModel:
+        return prepare(model, device, cfg.dtype, cfg.gradient_checkpointing)
+
+    policy = load(load_causal_lm(run.model_ref("policy", spec.model), tokenizer, spec.seed))
+    ref_policy = frozen(load(load_causal_lm(spec.model, tokenizer, spec.seed)))
+    value_model = load(load_scalar_model(run.model_ref("value", spec.reward_model), tokenizer, spec.seed))
+    reward_model = frozen(load(load_scalar_model(spec.reward_model, tokenizer, spec.seed)))
+    policy_params = [p for p in policy.parameters() if p.requires_grad]
+    value_params = [p for p in value_model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(policy_params, cfg, cfg.learning_rate)
+    optimizer.add_param_group({"params": value_params, "lr": cfg.value_learning_rate or cfg.learning_rate})
+    scheduler = make_scheduler(optimizer, cfg, cfg.total_steps)
+    kl_ctl = (
+        AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(cfg.kl_coef)
+    )
+    score_moments = RunningMoments()
+    generator = torch.Generator(device).manual_seed(spec.seed)  # sampling
+    shuffle = torch.Generator().manual_seed(spec.seed + 1)  # minibatch order
+    start_step, state = run.start(cfg.total_steps)
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        kl_ctl.load_state_dict(state["kl_ctl"])
+        score_moments.load_state_dict(state["score_moments"])
+        generator.set_state(state["generator"])
+        shuffle.set_state(state["shuffle"])
+    if done := run.result_if_finished(start_step):
+        return done
+    stop_token_id = tokenizer.eos_token_id if cfg.stop_token == "eos" else None
+    B, mbs, T = cfg.batch_size, cfg.micro_batch_size, cfg.response_length
+
+    for step in range(start_step + 1, cfg.total_steps + 1):
+        t0 = time.perf_counter()
+        # 1. sample a batch of prompts (left-padded)
+        batch_prompts = [prompts[i] for i in batch_indices(len(prompts), B, spec.seed, step - 1)]
+        queries, query_mask = (t.to(device) for t in encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_length))
+
+        # 2. rollout: responses truncated after the stop token; logprobs, ref_logprobs, values, scores
+        ro = make_rollout(
+            policy, ref_policy, value_model, reward_model, queries, query_mask, T, cfg.temperature, cfg.top_k,
+            stop_token_id, tokenizer.pad_token_id, generator, chunk_size=cfg.mini_batch_size,
+        )
+        mask = ro.mask.float()  # (B, T)
+        t_rollout = time.perf_counter() - t0
+
+        # 3. score shaping: missing-stop penalty, running normalisation, clipping
+        raw_scores = ro.scores.clone()  # (B,)
+        if stop_token_id is not None:
+            raw_scores -= cfg.missing_eos_penalty * (~ro.stopped).float()
+        scores = raw_scores
+        if cfg.normalize_scores:
+            score_moments.update(scores)
+            scores = (scores - score_moments.mean) / max(score_moments.std, 1e-8)
+        if cfg.score_clip is not None:
+            scores = scores.clamp(-cfg.score_clip, cfg.score_clip)
+
+        # 4. rewards: -β·KL per token, score on the last kept token
+        kl = kl_per_token(ro.logprobs, ro.ref_logprobs, cfg.kl_estimator) * mask  # (B, T)
+        rewards, non_score_reward = compute_rewards(scores, kl, mask, kl_ctl.value)
+
+        # 5. advantages and returns (GAE), advantages whitened over valid tokens
+        advantages, returns = compute_gae(rewards, ro.values, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+
+        # 6. PPO epochs over minibatches, each split into micro-batches for gradient accumulation
+        train_policy = step > cfg.critic_warmup_steps
+        policy.train()
+        value_model.train()
+        stats: dict[str, list[float]] = {k: [] for k in ("pg", "vf", "clip", "vclip", "akl", "ent", "gn", "ptx")}
+        early_stopped = False
+        for epoch in range(cfg.ppo_epochs):
+            order = torch.randperm(B, generator=shuffle)
+            for m, start in enumerate(range(0, B, cfg.mini_batch_size)):
+                mb_inds = order[start : start + cfg.mini_batch_size].to(device)
+                n_tokens = mask[mb_inds].sum()
+                ptx_batch = None
+                if ptx_rows:
+                    update = ((step - 1) * cfg.ppo_epochs + epoch) * cfg.num_mini_batches + m
+                    ptx_rows_mb = [ptx_rows[i] for i in batch_indices(len(ptx_rows), cfg.mini_batch_size, spec.seed, update)]
+                    ptx_batch = {k: v.to(device) for k, v in encode_sft_batch(tokenizer, ptx_rows_mb, cfg.max_length).items()}
+                mb_stats = {k: 0.0 for k in stats}
+                for u in range(0, cfg.mini_batch_size, mbs):
+                    inds = mb_inds[u : u + mbs]
+                    qr, am, mk = ro.query_responses[inds], ro.attention_mask[inds], mask[inds]
+                    new_logprobs, logits = response_logprobs(policy, qr, am, ro.context_length, cfg.temperature)
+                    vpreds = response_values(value_model, qr, am, ro.context_length)  # (b, T)
+                    pl = policy_loss(new_logprobs, ro.logprobs[inds], advantages[inds], mk, cfg.cliprange, n_tokens)
+                    vf_loss, vf_clipfrac = value_loss(
+                        vpreds, ro.values[inds], returns[inds], mk, cfg.cliprange_value, n_tokens
+                    )
+                    entropy = (entropy_from_logits(logits) * mk).sum() / n_tokens
+                    loss = cfg.vf_coef * vf_loss
+                    if train_policy:
+                        loss = loss + pl.pg_loss - cfg.entropy_coef * entropy
+                    if ptx_batch is not None and train_policy:
+                        ptx_micro = {k: v[u : u + mbs] for k, v in ptx_batch.items()}
+                        ptx_loss = completion_loss_sum(policy, ptx_micro) / count_labels(ptx_batch)
+                        loss = loss + cfg.ptx_coef * ptx_loss
+                        mb_stats["ptx"] += ptx_loss.item()
+                    loss.backward()
+                    for key, value in (("pg", pl.pg_loss), ("vf", vf_loss), ("clip", pl.clipfrac),
+                                       ("vclip", vf_clipfrac), ("akl", pl.approxkl), ("ent", entropy)):
+                        mb_stats[key] += value.item()
+                check_finite("loss", mb_stats["pg"] + mb_stats["vf"], step)
+                mb_stats["gn"] = clip_and_step(policy_params + value_params, optimizer, cfg.max_grad_norm)
+                for key, value in mb_stats.items():
+                    stats[key].append(value)
+                if cfg.target_approxkl is not None and mb_stats["akl"] > cfg.target_approxkl:
+                    early_stopped = True
+                    break
+            if early_stopped:
+                callbacks.on_event("warning", f"step {step}: approx-KL above {cfg.target_approxkl}, epochs cut short")
+                break
+        lr = optimizer.param_groups[0]["lr"]
+        scheduler.step()
+
+        # 7. KL controller and metrics
+        mean_kl = kl.sum(1).mean().item()
+        kl_ctl.update(mean_kl, B)
+        n_generated = mask.sum().item()
+        elapsed = time.perf_counter() - t0
+        non_score = non_score_reward.sum(1).mean().item()
+        metrics = {
+            "objective/scores": raw_scores.mean().item(),
+            "objective/kl": mean_kl,
+            "objective/kl_coef": kl_ctl.value,
+            "objective/non_score_reward": non_score,
+            "objective/rlhf_reward": raw_scores.mean().item() + non_score,
+            "objective/entropy": (-ro.logprobs * mask).sum(1).mean().item(),
+            "policy/approxkl": _mean(stats["akl"]),
+            "policy/clipfrac": _mean(stats["clip"]),
+            "loss/policy": _mean(stats["pg"]),
+            "loss/value": _mean(stats["vf"]),
+            "val/clipfrac": _mean(stats["vclip"]),
+            "val/mean": masked_mean(ro.values, mask).item(),
+            "val/var_explained": explained_variance(ro.values, returns, mask).item(),
+            "returns/mean": masked_mean(returns, mask).item(),
+            "response/length_mean": mask.sum(1).mean().item(),
+            "response/eos_fraction": ro.stopped.float().mean().item(),
+            "response/perplexity": math.exp(-masked_mean(ro.logprobs, mask).item()),
+            "time/rollout_s": t_rollout,
+            "time/train_s": elapsed - t_rollout,
+            "time/step_s": elapsed,
+            "throughput/tokens_per_s": n_generated / elapsed,
+            "lr": lr,
+            "grad_norm": _mean(stats["gn"]),
+        }
+        if ptx_rows:
+            metrics["loss/ptx"] = _mean(stats["ptx"])
+
+        def state_fn() -> dict[str, object]:
+            return {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "kl_ctl": kl_ctl.state_dict(),
+                "score_moments": score_moments.state_dict(),
+                "generator": generator.get_state(),
+                "shuffle": shuffle.get_state(),
+            }
+
+        if result := run.end_step(step, metrics, {"policy": policy, "value": value_model}, state_fn):
+            return result
+    raise AssertionError("unreachable: the last step ends the run")
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

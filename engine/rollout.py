@@ -1,0 +1,108 @@
+"""PPO rollouts: sample responses, then score them with policy, reference, critic and reward model.
+
+Every forward here runs under ``torch.inference_mode()``; the training forwards are in ppo_train.py.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.generate import sample
+from engine.models import lm_logits, scalar_outputs
+from engine.ops import last_valid_index, logprobs_from_logits, truncate_after_stop
+
+
+@dataclass
+class Rollout:
+    query_responses: torch.Tensor
+    """Prompt (left-padded) followed by response (right-padded): (B, P + T)."""
+    attention_mask: torch.Tensor
+    """1 on prompt and kept response tokens: (B, P + T)."""
+    context_length: int
+    """P, where the responses start."""
+    responses: torch.Tensor
+    """Response tokens, pad after the stop token: (B, T)."""
+    mask: torch.Tensor
+    """1 on kept response tokens (up to and including the stop token): (B, T)."""
+    stopped: torch.Tensor
+    """Whether each response produced the stop token: (B,)."""
+    logprobs: torch.Tensor
+    """Policy log-probabilities of the response tokens at the sampling temperature: (B, T)."""
+    ref_logprobs: torch.Tensor
+    """Reference log-probabilities, same temperature: (B, T)."""
+    values: torch.Tensor
+    """Critic's values of the states before each response token: (B, T)."""
+    scores: torch.Tensor
+    """Reward model's score at the last kept token: (B,)."""
+
+
+def response_logprobs(
+    model: PreTrainedModel, query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the response tokens and the logits that gave them: (B, T), (B, T, V)."""
+    logits = lm_logits(model, query_responses, attention_mask)[:, context_length - 1 : -1] / temperature  # (B, T, V)
+    return logprobs_from_logits(logits, query_responses[:, context_length:]), logits
+
+
+def response_values(
+    model: PreTrainedModel, query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int
+) -> torch.Tensor:
+    """Critic values for the states before each response token: (B, T)."""
+    values, _ = scalar_outputs(model, query_responses, attention_mask)  # (B, P + T)
+    return values[:, context_length - 1 : -1]
+
+
+def sequence_scores(model: PreTrainedModel, query_responses: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Reward model score at each sequence's last kept token: (B,)."""
+    scores, _ = scalar_outputs(model, query_responses, attention_mask)  # (B, P + T)
+    return scores.gather(1, last_valid_index(attention_mask).unsqueeze(1)).squeeze(1)
+
+
+@torch.inference_mode()
+def make_rollout(
+    policy: PreTrainedModel,
+    ref_policy: PreTrainedModel,
+    value_model: PreTrainedModel,
+    reward_model: PreTrainedModel,
+    queries: torch.Tensor,
+    query_mask: torch.Tensor,
+    response_length: int,
+    temperature: float,
+    top_k: int,
+    stop_token_id: int | None,
+    pad_token_id: int,
+    generator: torch.Generator,
+    chunk_size: int,
+) -> Rollout:
+    """Sample one response per query (B, P) and evaluate it with all four models in chunks of ``chunk_size``."""
+    policy.eval()
+    value_model.eval()
+    raw = sample(
+        policy, queries, query_mask, response_length, temperature, top_k=top_k, eos_token_id=stop_token_id,
+        generator=generator,
+    )  # (B, T)
+    responses, mask, stopped = truncate_after_stop(raw, stop_token_id, pad_token_id)
+    query_responses = torch.cat([queries, responses], dim=1)  # (B, P + T)
+    attention_mask = torch.cat([query_mask, mask], dim=1)
+    P = queries.shape[1]
+    logprobs, ref_logprobs, values, scores = [], [], [], []
+    for i in range(0, queries.shape[0], chunk_size):
+        qr, am = query_responses[i : i + chunk_size], attention_mask[i : i + chunk_size]
+        logprobs.append(response_logprobs(policy, qr, am, P, temperature)[0])
+        ref_logprobs.append(response_logprobs(ref_policy, qr, am, P, temperature)[0])
+        values.append(response_values(value_model, qr, am, P))
+        scores.append(sequence_scores(reward_model, qr, am))
+    return Rollout(
+        query_responses=query_responses,
+        attention_mask=attention_mask,
+        context_length=P,
+        responses=responses,
+        mask=mask,
+        stopped=stopped,
+        logprobs=torch.cat(logprobs),
+        ref_logprobs=torch.cat(ref_logprobs),
+        values=torch.cat(values),
+        scores=torch.cat(scores),
+    )

@@ -1,0 +1,98 @@
+"""Supervised fine-tuning: next-token loss on the completion tokens, the prompt masked out."""
+
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from engine.callbacks import Callbacks
+from engine.config import JobSpec, SFTConfig
+from engine.data import batch_indices, encode_sft_batch, load_rows
+from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
+from engine.models import lm_logits, load_causal_lm, load_tokenizer, prepare
+
+
+def completion_loss_sum(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed cross-entropy of every labelled (completion) token; divide by the token count yourself."""
+    logits = lm_logits(model, batch["input_ids"], batch["attention_mask"])  # (B, L, V)
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum"
+    )
+
+
+def count_labels(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+@torch.no_grad()
+def eval_loss(model: PreTrainedModel, batches: list[dict[str, torch.Tensor]]) -> float:
+    """Mean completion-token loss over ``batches``."""
+    model.eval()
+    total = sum(completion_loss_sum(model, b).item() for b in batches)
+    return total / sum(count_labels(b) for b in batches)
+
+
+def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
+    cfg = spec.config
+    assert isinstance(cfg, SFTConfig)
+    seed_everything(spec.seed)
+
+    # 1. data: the batch order is a function of (seed, step), so resuming needs only the step
+    rows = load_rows(spec.dataset, "sft")
+    eval_rows = load_rows(spec.eval_dataset, "sft") if spec.eval_dataset else []
+    total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(rows)) // cfg.batch_size)
+
+    # 2. model, optimizer and schedule, restored from the last checkpoint when there is one
+    tokenizer = load_tokenizer(spec.model)
+    run = Run(spec, out_dir, callbacks, tokenizer)
+    model = load_causal_lm(run.model_ref("policy", spec.model), tokenizer, spec.seed)
+    model = prepare(model, device, cfg.dtype, cfg.gradient_checkpointing)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, cfg, cfg.learning_rate)
+    scheduler = make_scheduler(optimizer, cfg, total_steps)
+    start_step, state = run.start(total_steps)
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    if done := run.result_if_finished(start_step):
+        return done
+    eval_batches = [
+        {k: v.to(device) for k, v in encode_sft_batch(tokenizer, eval_rows[i : i + 64], cfg.max_length).items()}
+        for i in range(0, len(eval_rows), 64)
+    ]
+
+    for step in range(start_step + 1, total_steps + 1):
+        t0 = time.perf_counter()
+        # 3. one optimizer step over `batch_size` examples in `gradient_accumulation_steps` micro-batches
+        batch_rows = [rows[i] for i in batch_indices(len(rows), cfg.batch_size, spec.seed, step - 1)]
+        batch = {k: v.to(device) for k, v in encode_sft_batch(tokenizer, batch_rows, cfg.max_length).items()}
+        n_tokens = count_labels(batch)  # the loss is a mean over the whole batch's completion tokens
+        model.train()
+        loss_sum = 0.0
+        for mb in range(0, cfg.batch_size, cfg.micro_batch_size):
+            micro = {k: v[mb : mb + cfg.micro_batch_size] for k, v in batch.items()}
+            loss = completion_loss_sum(model, micro)
+            (loss / n_tokens).backward()
+            loss_sum += loss.item()
+        check_finite("loss/sft", loss_sum, step)
+        lr = optimizer.param_groups[0]["lr"]
+        grad_norm = clip_and_step(params, optimizer, cfg.max_grad_norm)
+        scheduler.step()
+
+        # 4. metrics, eval, checkpoint, stop request
+        elapsed = time.perf_counter() - t0
+        metrics = {
+            "loss/sft": loss_sum / n_tokens,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "time/step_s": elapsed,
+            "throughput/tokens_per_s": int(batch["attention_mask"].sum()) / elapsed,
+        }
+        if eval_batches and (step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+            metrics["eval/loss"] = eval_loss(model, eval_batches)
+        state_fn = lambda: {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}  # noqa: E731
+        if result := run.end_step(step, metrics, {"policy": model}, state_fn):
+            return result
+    raise AssertionError("unreachable: the last step ends the run")

@@ -1,0 +1,1 @@
+"""Celery workers that run engine jobs. Filled by the service issue."""

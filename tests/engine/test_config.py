@@ -1,0 +1,237 @@
+"""Validation of job specs and hyperparameters in engine.config."""
+
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from engine.config import HYPERPARAMETERS, JobSpec, LoraSpec, PPOConfig, RMConfig, SFTConfig, TrainConfig, format_errors
+
+DATASETS = {"sft": "builtin:reviews-sft", "rm": "builtin:reviews-prefs", "ppo": "builtin:reviews-prompts"}
+
+
+def _spec(job_type: str = "sft", **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {"type": job_type, "model": "builtin:tiny", "dataset": DATASETS[job_type]}
+    if job_type == "ppo":
+        spec["reward_model"] = "job:rm-1"
+    spec.update(overrides)
+    return spec
+
+
+def _error(cls: type[BaseModel], data: dict[str, Any]) -> str:
+    with pytest.raises(ValidationError) as info:
+        cls.model_validate(data)
+    return format_errors(info.value)
+
+
+# --- defaults and documentation ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [SFTConfig, RMConfig, PPOConfig])
+def test_defaults_are_valid(cls):
+    config = cls()
+    assert config.model_dump() == cls.model_validate(config.model_dump(mode="json")).model_dump()
+
+
+@pytest.mark.parametrize("job_type", ["sft", "rm", "ppo"])
+def test_minimal_spec_is_valid(job_type):
+    spec = JobSpec.model_validate(_spec(job_type))
+    assert spec.type == job_type
+    assert isinstance(spec.config, HYPERPARAMETERS[job_type])
+
+
+@pytest.mark.parametrize("cls", [TrainConfig, SFTConfig, RMConfig, PPOConfig, LoraSpec, JobSpec])
+def test_every_field_is_documented(cls):
+    assert cls.model_fields
+    for name, field in cls.model_fields.items():
+        assert isinstance(field.description, str) and field.description.strip(), f"{cls.__name__}.{name}"
+
+
+def test_overridden_defaults_per_job_type():
+    assert SFTConfig().learning_rate == 1e-3
+    assert RMConfig().learning_rate == 5e-4 and RMConfig().epochs == 1.0
+    assert PPOConfig().learning_rate == 3e-5
+
+
+# --- out-of-range values ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cls", "field", "value"),
+    [
+        (SFTConfig, "learning_rate", -1),
+        (SFTConfig, "learning_rate", 0),
+        (RMConfig, "margin", -0.5),
+        (SFTConfig, "gradient_accumulation_steps", 0),
+        (SFTConfig, "max_length", 4),
+        (PPOConfig, "cliprange", 0),
+        (PPOConfig, "gamma", 1.5),
+        (PPOConfig, "lam", -0.1),
+        (PPOConfig, "temperature", 0),
+        (PPOConfig, "kl_estimator", "k2"),
+        (PPOConfig, "lr_scheduler", "step"),
+    ],
+)
+def test_out_of_range_hyperparameter(cls, field, value):
+    message = _error(cls, {field: value})
+    assert message.startswith(f"{field}:"), message
+
+
+@pytest.mark.parametrize(
+    ("job_type", "field", "value"),
+    [("sft", "learning_rate", -1), ("ppo", "cliprange", 0), ("ppo", "gamma", 1.5), ("rm", "epochs", 0)],
+)
+def test_out_of_range_in_job_spec_names_field(job_type, field, value):
+    message = _error(JobSpec, _spec(job_type, hyperparameters={field: value}))
+    assert message.startswith("hyperparameters:"), message
+    assert f"{field}:" in message
+
+
+def test_adam_betas_element_out_of_range():
+    message = _error(SFTConfig, {"adam_betas": [0.9, 1.0]})
+    assert message.startswith("adam_betas.1:"), message
+
+
+# --- unknown fields ----------------------------------------------------------------------------
+
+
+def test_unknown_top_level_field():
+    message = _error(JobSpec, _spec(epochs=3))
+    assert message.startswith("epochs:"), message
+    assert "extra" in message.lower()
+
+
+def test_unknown_hyperparameter():
+    message = _error(JobSpec, _spec("sft", hyperparameters={"learning_rat": 1e-3}))
+    assert "learning_rat" in message
+    assert "extra" in message.lower()
+
+
+def test_hyperparameter_of_another_job_type_is_unknown():
+    message = _error(JobSpec, _spec("sft", hyperparameters={"cliprange": 0.2}))
+    assert "cliprange" in message
+
+
+# --- datasets and reward model ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("job_type", "dataset"),
+    [("sft", "builtin:reviews-prefs"), ("rm", "builtin:reviews-sft"), ("ppo", "builtin:reviews-sft")],
+)
+def test_wrong_dataset_kind(job_type, dataset):
+    message = _error(JobSpec, _spec(job_type, dataset=dataset))
+    assert message.startswith("dataset:"), message
+    assert dataset in message
+
+
+def test_wrong_eval_dataset_kind():
+    message = _error(JobSpec, _spec("sft", eval_dataset="builtin:reviews-prompts-eval"))
+    assert message.startswith("eval_dataset:"), message
+
+
+def test_unknown_builtin_dataset():
+    message = _error(JobSpec, _spec("sft", dataset="builtin:no-such-data"))
+    assert message.startswith("dataset:"), message
+    assert "no-such-data" in message and "reviews-sft" in message  # lists the known ones
+
+
+@pytest.mark.parametrize("dataset", ["file-abc123", "data/train.jsonl"])
+def test_uploaded_and_local_datasets_accepted(dataset):
+    assert JobSpec.model_validate(_spec("sft", dataset=dataset)).dataset == dataset
+
+
+def test_not_a_dataset_reference():
+    assert _error(JobSpec, _spec("sft", dataset="train.csv")).startswith("dataset:")
+
+
+def test_ppo_without_reward_model():
+    spec = _spec("ppo")
+    del spec["reward_model"]
+    message = _error(JobSpec, spec)
+    assert "reward_model" in message
+
+
+@pytest.mark.parametrize("job_type", ["sft", "rm"])
+def test_reward_model_on_non_ppo_job(job_type):
+    message = _error(JobSpec, _spec(job_type, reward_model="job:rm-1"))
+    assert "reward_model" in message and job_type in message
+
+
+# --- cross-field checks -----------------------------------------------------------------------
+
+
+def test_sft_batch_not_multiple_of_accumulation():
+    message = _error(JobSpec, _spec("sft", hyperparameters={"batch_size": 10, "gradient_accumulation_steps": 4}))
+    assert "batch_size" in message and "gradient_accumulation_steps" in message
+    message = _error(SFTConfig, {"batch_size": 10, "gradient_accumulation_steps": 4})
+    assert "batch_size (10)" in message and "gradient_accumulation_steps (4)" in message
+
+
+def test_rm_inherits_batch_check():
+    message = _error(RMConfig, {"batch_size": 9, "gradient_accumulation_steps": 2})
+    assert "batch_size" in message and "gradient_accumulation_steps" in message
+
+
+def test_ppo_batch_not_multiple_of_mini_batch():
+    message = _error(JobSpec, _spec("ppo", hyperparameters={"batch_size": 48, "mini_batch_size": 32}))
+    assert "batch_size" in message and "mini_batch_size" in message
+    message = _error(PPOConfig, {"batch_size": 48, "mini_batch_size": 32})
+    assert "batch_size (48)" in message and "mini_batch_size (32)" in message
+
+
+def test_ppo_mini_batch_not_multiple_of_accumulation():
+    message = _error(PPOConfig, {"batch_size": 64, "mini_batch_size": 32, "gradient_accumulation_steps": 3})
+    assert "mini_batch_size" in message and "gradient_accumulation_steps" in message
+
+
+def test_ptx_coef_without_ptx_dataset():
+    message = _error(JobSpec, _spec("ppo", hyperparameters={"ptx_coef": 0.5}))
+    assert "ptx_dataset" in message
+    config = PPOConfig(ptx_coef=0.5, ptx_dataset="builtin:reviews-sft")
+    assert config.ptx_dataset == "builtin:reviews-sft"
+
+
+def test_ptx_dataset_must_be_sft_kind():
+    message = _error(PPOConfig, {"ptx_coef": 0.5, "ptx_dataset": "builtin:reviews-prefs"})
+    assert "reviews-prefs" in message
+
+
+# --- filled-in defaults and the typed config --------------------------------------------------
+
+
+def test_sft_hyperparameters_filled_in_and_typed():
+    spec = JobSpec.model_validate(_spec("sft", hyperparameters={"batch_size": 16, "gradient_accumulation_steps": 4}))
+    expected = SFTConfig(batch_size=16, gradient_accumulation_steps=4).model_dump(mode="json")
+    assert spec.hyperparameters == expected
+    assert set(spec.hyperparameters) == set(SFTConfig.model_fields)
+    config = spec.config
+    assert type(config) is SFTConfig
+    assert config.batch_size == 16 and config.micro_batch_size == 4
+    assert config.learning_rate == 1e-3  # a default
+
+
+def test_ppo_hyperparameters_filled_in_and_typed():
+    hp = {"batch_size": 96, "mini_batch_size": 24, "gradient_accumulation_steps": 3, "gamma": 0.99}
+    spec = JobSpec.model_validate(_spec("ppo", hyperparameters=hp))
+    assert set(spec.hyperparameters) == set(PPOConfig.model_fields)
+    assert spec.hyperparameters["cliprange"] == 0.2 and spec.hyperparameters["gamma"] == 0.99
+    config = spec.config
+    assert type(config) is PPOConfig
+    assert config.num_mini_batches == 4
+    assert config.micro_batch_size == 8
+    assert config == PPOConfig(**hp)
+
+
+def test_rm_config_type():
+    spec = JobSpec.model_validate(_spec("rm", hyperparameters={"margin": 0.5}))
+    assert type(spec.config) is RMConfig
+    assert spec.config.margin == 0.5 and spec.hyperparameters["lm_loss_coef"] == 0.0
+
+
+def test_spec_json_round_trip():
+    spec = JobSpec.model_validate(_spec("ppo", hyperparameters={"adam_betas": [0.8, 0.9]}, lora={"r": 4}))
+    again = JobSpec.model_validate_json(spec.model_dump_json())
+    assert again == spec
+    assert again.config.adam_betas == (0.8, 0.9)
+    assert again.lora is not None and again.lora.r == 4 and again.lora.alpha == 16
