@@ -1,8 +1,8 @@
 """The ``rlhf`` command line: run jobs locally, without any server.
 
-    rlhf demo [--out runs/demo]                 the built-in SFT → RM → PPO pipeline, with a before/after table
-    rlhf train SPEC.(yaml|json) --out DIR       one job; DIR gets checkpoints/step-N/ and job.json
-    rlhf generate --model DIR --prompt TEXT     sample from a job folder, a checkpoint or any causal LM
+rlhf demo [--out runs/demo]                 the built-in SFT → RM → PPO pipeline, with a before/after table
+rlhf train SPEC.(yaml|json) --out DIR       one job; DIR gets checkpoints/step-N/ and job.json
+rlhf generate --model DIR --prompt TEXT     sample from a job folder, a checkpoint or any causal LM
 """
 
 import argparse
@@ -41,7 +41,9 @@ class ProgressBar(Callbacks):
 
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
         assert self.bar is not None
-        self.shown.update({k.split("/")[-1] if k.startswith("objective") else k: metrics[k] for k in self.keys if k in metrics})
+        self.shown.update(
+            {k.split("/")[-1] if k.startswith("objective") else k: metrics[k] for k in self.keys if k in metrics}
+        )
         self.bar.set_postfix({k: f"{v:.3g}" for k, v in self.shown.items()}, refresh=False)
         self.bar.update(step - self.bar.n)
 
@@ -90,10 +92,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     ref = resolve_model_ref(args.model)
     tokenizer = load_tokenizer(ref)
-    model = load_causal_lm(ref, tokenizer, seed=args.seed).to(pick_device())
-    completions = generate(
-        model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed
-    )
+    model = load_causal_lm(ref, tokenizer, seed=args.seed)
+    model.to(pick_device())  # type: ignore[arg-type]
+    completions = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed)
     for c in completions:
         print(json.dumps({"prompt": c.prompt, "text": c.text, "finish_reason": c.finish_reason}))
 
@@ -101,7 +102,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from engine.demo import run_demo
 
-    run_demo(args.out, train)
+    started = time.perf_counter()
+    report = run_demo(args.out, train)
+    print(f"\n{report.table()}\npipeline finished in {time.perf_counter() - started:.0f}s; jobs in {args.out}")
 
 
 def quiet_transformers() -> None:

@@ -85,9 +85,7 @@ def check_finite(name: str, value: float, step: int) -> None:
 class Run:
     """One job's bookkeeping: where it resumes, when it checkpoints, how it ends."""
 
-    def __init__(
-        self, spec: JobSpec, out_dir: Path, callbacks: Callbacks, tokenizer: PreTrainedTokenizerBase
-    ) -> None:
+    def __init__(self, spec: JobSpec, out_dir: Path, callbacks: Callbacks, tokenizer: PreTrainedTokenizerBase) -> None:
         self.spec = spec
         self.out_dir = out_dir
         self.callbacks = callbacks

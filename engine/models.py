@@ -52,6 +52,7 @@ def resolve_model_ref(ref: str) -> str:
 
 def load_tokenizer(ref: str) -> PreTrainedTokenizerBase:
     """The tokenizer for a model reference, left-padding, with a pad token."""
+    tokenizer: PreTrainedTokenizerBase
     if ref == builtin.TINY_MODEL:
         tokenizer = PreTrainedTokenizerFast(
             tokenizer_file=str(builtin.TOKENIZER_FILE), eos_token=builtin.EOS_TOKEN, pad_token=builtin.PAD_TOKEN
@@ -71,13 +72,14 @@ def load_tokenizer(ref: str) -> PreTrainedTokenizerBase:
 
 
 def _tiny_config(tokenizer: PreTrainedTokenizerBase) -> GPT2Config:
-    return GPT2Config(
+    config = GPT2Config(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **builtin.TINY_CONFIG,
     )
+    config.update(builtin.TINY_CONFIG)
+    return config
 
 
 def load_causal_lm(ref: str, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
@@ -116,7 +118,7 @@ def _from_pretrained(auto: type, ref: str, **kwargs: object) -> PreTrainedModel:
 
 def prepare(model: PreTrainedModel, device: torch.device, dtype: str, gradient_checkpointing: bool) -> PreTrainedModel:
     """Move to device and dtype, turn dropout off (PPO's ratios need a deterministic forward)."""
-    model.to(device=device, dtype=getattr(torch, dtype))
+    model.to(device=device, dtype=getattr(torch, dtype))  # type: ignore[call-arg]
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -152,7 +154,9 @@ def scalar_outputs(
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     ).last_hidden_state  # (B, L, H)
-    return model.score(hidden).squeeze(-1).float(), hidden  # (B, L), (B, L, H)
+    head = model.score
+    assert isinstance(head, torch.nn.Module)
+    return head(hidden).squeeze(-1).float(), hidden  # (B, L), (B, L, H)
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:

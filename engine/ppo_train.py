@@ -66,7 +66,9 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     optimizer.add_param_group({"params": value_params, "lr": cfg.value_learning_rate or cfg.learning_rate})
     scheduler = make_scheduler(optimizer, cfg, cfg.total_steps)
     kl_ctl = (
-        AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(cfg.kl_coef)
+        AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+        if cfg.adaptive_kl
+        else FixedKLController(cfg.kl_coef)
     )
     score_moments = RunningMoments()
     generator = torch.Generator(device).manual_seed(spec.seed)  # sampling
@@ -92,8 +94,19 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
 
         # 2. rollout: responses truncated after the stop token; logprobs, ref_logprobs, values, scores
         ro = make_rollout(
-            policy, ref_policy, value_model, reward_model, queries, query_mask, T, cfg.temperature, cfg.top_k,
-            stop_token_id, tokenizer.pad_token_id, generator, chunk_size=cfg.mini_batch_size,
+            policy,
+            ref_policy,
+            value_model,
+            reward_model,
+            queries,
+            query_mask,
+            T,
+            cfg.temperature,
+            cfg.top_k,
+            stop_token_id,
+            tokenizer.pad_token_id,
+            generator,
+            chunk_size=cfg.mini_batch_size,
         )
         mask = ro.mask.float()  # (B, T)
         t_rollout = time.perf_counter() - t0
@@ -132,9 +145,13 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
                 ptx_batch = None
                 if ptx_rows:
                     update = ((step - 1) * cfg.ppo_epochs + epoch) * cfg.num_mini_batches + m
-                    ptx_rows_mb = [ptx_rows[i] for i in batch_indices(len(ptx_rows), cfg.mini_batch_size, spec.seed, update)]
-                    ptx_batch = {k: v.to(device) for k, v in encode_sft_batch(tokenizer, ptx_rows_mb, cfg.max_length).items()}
-                mb_stats = {k: 0.0 for k in stats}
+                    ptx_rows_mb = [
+                        ptx_rows[i] for i in batch_indices(len(ptx_rows), cfg.mini_batch_size, spec.seed, update)
+                    ]
+                    ptx_batch = {
+                        k: v.to(device) for k, v in encode_sft_batch(tokenizer, ptx_rows_mb, cfg.max_length).items()
+                    }
+                mb_stats = dict.fromkeys(stats, 0.0)
                 for u in range(0, cfg.mini_batch_size, mbs):
                     inds = mb_inds[u : u + mbs]
                     qr, am, mk = ro.query_responses[inds], ro.attention_mask[inds], mask[inds]
@@ -154,13 +171,19 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
                         loss = loss + cfg.ptx_coef * ptx_loss
                         mb_stats["ptx"] += ptx_loss.item()
                     loss.backward()
-                    for key, value in (("pg", pl.pg_loss), ("vf", vf_loss), ("clip", pl.clipfrac),
-                                       ("vclip", vf_clipfrac), ("akl", pl.approxkl), ("ent", entropy)):
+                    for key, value in (
+                        ("pg", pl.pg_loss),
+                        ("vf", vf_loss),
+                        ("clip", pl.clipfrac),
+                        ("vclip", vf_clipfrac),
+                        ("akl", pl.approxkl),
+                        ("ent", entropy),
+                    ):
                         mb_stats[key] += value.item()
                 check_finite("loss", mb_stats["pg"] + mb_stats["vf"], step)
                 mb_stats["gn"] = clip_and_step(policy_params + value_params, optimizer, cfg.max_grad_norm)
-                for key, value in mb_stats.items():
-                    stats[key].append(value)
+                for key, total in mb_stats.items():
+                    stats[key].append(total)
                 if cfg.target_approxkl is not None and mb_stats["akl"] > cfg.target_approxkl:
                     early_stopped = True
                     break

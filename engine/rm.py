@@ -41,7 +41,9 @@ def pair_rewards(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> tupl
 
 def lm_loss_sum(model: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token loss through the tied input embeddings (the classifier has no LM head)."""
-    logits = hidden[:, :-1] @ model.get_input_embeddings().weight.T  # (2B, L-1, V)
+    embeddings = model.get_input_embeddings().weight  # (V, H)
+    assert isinstance(embeddings, torch.Tensor)
+    logits = hidden[:, :-1] @ embeddings.T  # (2B, L-1, V)
     return F.cross_entropy(logits.flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum")
 
 

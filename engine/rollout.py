@@ -38,7 +38,10 @@ class Rollout:
 
 
 def response_logprobs(
-    model: PreTrainedModel, query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int,
+    model: PreTrainedModel,
+    query_responses: torch.Tensor,
+    attention_mask: torch.Tensor,
+    context_length: int,
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of the response tokens and the logits that gave them: (B, T), (B, T, V)."""
@@ -54,7 +57,9 @@ def response_values(
     return values[:, context_length - 1 : -1]
 
 
-def sequence_scores(model: PreTrainedModel, query_responses: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_scores(
+    model: PreTrainedModel, query_responses: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
     """Reward model score at each sequence's last kept token: (B,)."""
     scores, _ = scalar_outputs(model, query_responses, attention_mask)  # (B, P + T)
     return scores.gather(1, last_valid_index(attention_mask).unsqueeze(1)).squeeze(1)
@@ -80,7 +85,13 @@ def make_rollout(
     policy.eval()
     value_model.eval()
     raw = sample(
-        policy, queries, query_mask, response_length, temperature, top_k=top_k, eos_token_id=stop_token_id,
+        policy,
+        queries,
+        query_mask,
+        response_length,
+        temperature,
+        top_k=top_k,
+        eos_token_id=stop_token_id,
         generator=generator,
     )  # (B, T)
     responses, mask, stopped = truncate_after_stop(raw, stop_token_id, pad_token_id)

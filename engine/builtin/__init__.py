@@ -17,7 +17,7 @@ EOS_TOKEN = "<|endoftext|>"
 TINY_MODEL = "builtin:tiny"
 
 # GPT-2 hyperparameters of builtin:tiny; vocab size and special ids come from the tokenizer.
-TINY_CONFIG = {
+TINY_CONFIG: dict[str, int | float] = {
     "n_layer": 2,
     "n_head": 4,
     "n_embd": 128,

@@ -19,24 +19,72 @@ import random
 import re
 
 POSITIVE = (
-    "great", "wonderful", "brilliant", "superb", "delightful", "moving", "charming",
-    "excellent", "beautiful", "fantastic", "clever", "gripping", "funny", "touching",
+    "great",
+    "wonderful",
+    "brilliant",
+    "superb",
+    "delightful",
+    "moving",
+    "charming",
+    "excellent",
+    "beautiful",
+    "fantastic",
+    "clever",
+    "gripping",
+    "funny",
+    "touching",
 )
 NEGATIVE = (
-    "awful", "boring", "dull", "terrible", "clumsy", "painful", "tedious", "bland",
-    "horrible", "weak", "messy", "silly", "lifeless", "forgettable",
+    "awful",
+    "boring",
+    "dull",
+    "terrible",
+    "clumsy",
+    "painful",
+    "tedious",
+    "bland",
+    "horrible",
+    "weak",
+    "messy",
+    "silly",
+    "lifeless",
+    "forgettable",
 )
 ASPECTS = (
-    "the acting", "the story", "the music", "the ending", "the dialogue", "the cast",
-    "the script", "the pacing", "the camera work", "the lead", "the soundtrack", "the plot",
+    "the acting",
+    "the story",
+    "the music",
+    "the ending",
+    "the dialogue",
+    "the cast",
+    "the script",
+    "the pacing",
+    "the camera work",
+    "the lead",
+    "the soundtrack",
+    "the plot",
 )
 OPENERS = (
-    "last night i saw", "we watched", "i finally watched", "my friends and i saw",
-    "yesterday i rented", "i went to see", "my sister showed me", "i streamed",
+    "last night i saw",
+    "we watched",
+    "i finally watched",
+    "my friends and i saw",
+    "yesterday i rented",
+    "i went to see",
+    "my sister showed me",
+    "i streamed",
 )
 SUBJECTS = (
-    "this movie", "the film", "the new thriller", "this comedy", "the sequel", "this drama",
-    "the remake", "this documentary", "the animated film", "this western",
+    "this movie",
+    "the film",
+    "the new thriller",
+    "this comedy",
+    "the sequel",
+    "this drama",
+    "the remake",
+    "this documentary",
+    "the animated film",
+    "this western",
 )
 LINKS = ("and it was", "and honestly it was", "and i thought it was", "and overall it was")
 POSITIVE_ENDINGS = ("i loved it .", "i would watch it again .", "highly recommended .", "a real treat .")
@@ -96,10 +144,7 @@ def _rng(name: str, split: str) -> random.Random:
 
 def sft_rows(split: str) -> list[dict[str, str]]:
     rng = _rng("sft", split)
-    return [
-        {"prompt": _prompt(rng), "completion": _pure(rng, positive=i % 2 == 0)}
-        for i in range(SPLIT_SIZES[split])
-    ]
+    return [{"prompt": _prompt(rng), "completion": _pure(rng, positive=i % 2 == 0)} for i in range(SPLIT_SIZES[split])]
 
 
 def pref_rows(split: str) -> list[dict[str, str]]:
