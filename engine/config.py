@@ -182,7 +182,7 @@ class LoraSpec(_Strict):
 
     r: Annotated[int, Field(ge=1, le=1024)] = 8
     """Adapter rank."""
-    alpha: Annotated[float, Field(gt=0, le=4096)] = 16
+    alpha: Annotated[int, Field(ge=1, le=4096)] = 16
     """Scaling numerator (scale = alpha / r)."""
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     """Dropout on the adapter input."""

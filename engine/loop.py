@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from engine.callbacks import Callbacks
 from engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_job_file
 from engine.config import JobSpec, TrainConfig
+from engine.models import apply_lora
 
 
 class NonFiniteLossError(RuntimeError):
@@ -96,9 +97,20 @@ class Run:
         self.resume_from = found[1] if found else None
         """The checkpoint to resume from, or None for a fresh start."""
 
-    def model_ref(self, name: str, fresh_ref: str) -> str:
-        """Where to load model ``name`` from: the resume checkpoint's copy, else ``fresh_ref``."""
-        return str(self.resume_from / name) if self.resume_from else fresh_ref
+    def load_trained(
+        self,
+        name: str,
+        fresh_ref: str,
+        load: Callable[[str], PreTrainedModel],
+        task: Literal["CAUSAL_LM", "SEQ_CLS"],
+    ) -> PreTrainedModel:
+        """The model a loop trains, ``name`` in the checkpoints: ``load(ref)`` whole, or with LoRA the
+        frozen base plus adapters. When resuming, weights (or adapters) come from the checkpoint.
+        """
+        if self.spec.lora is None:
+            return load(str(self.resume_from / name) if self.resume_from else fresh_ref)
+        adapters = self.resume_from / "adapters" / name if self.resume_from else None
+        return apply_lora(load(fresh_ref), self.spec.lora, task, adapters)
 
     def start(self, total_steps: int) -> tuple[int, dict[str, Any] | None]:
         """Announce the job; returns (start step, trainer state to restore or None)."""

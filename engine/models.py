@@ -6,6 +6,7 @@ output folder (its final checkpoint), or a checkpoint folder ``.../checkpoints/s
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import (
@@ -21,6 +22,7 @@ from transformers import (
 )
 
 from engine import builtin
+from engine.config import LoraSpec
 from engine.ops import position_ids_from_mask
 
 
@@ -159,9 +161,69 @@ def scalar_outputs(
     return head(hidden).squeeze(-1).float(), hidden  # (B, L), (B, L, H)
 
 
+def apply_lora(
+    model: PreTrainedModel, lora: LoraSpec, task: Literal["CAUSAL_LM", "SEQ_CLS"], adapter_dir: Path | None
+) -> PreTrainedModel:
+    """Freeze ``model`` and add low-rank adapters (Hu et al., arXiv:2106.09685), fresh or loaded from ``adapter_dir``.
+
+    For a scalar model the ``score`` head is trained in full besides the adapters. With the adapters
+    disabled the model is its frozen base again: that is how PPO gets its reference policy and its
+    reward model without a second copy of either backbone.
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter_dir is not None:
+        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)  # type: ignore[return-value]
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules="all-linear" if lora.target_modules == "auto" else lora.target_modules,
+        task_type=task,
+        modules_to_save=["score"] if task == "SEQ_CLS" else None,
+    )
+    return get_peft_model(model, config)  # type: ignore[return-value]
+
+
+def is_lora(model: PreTrainedModel) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+
+
+def merged_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The base model's weights with the adapters folded in, under the base model's own names.
+
+    Computed on the side (W + ΔW per adapted layer) so the training weights are never touched.
+    """
+    base = model.get_base_model()  # type: ignore[operator]
+    deltas = {
+        name: module.get_delta_weight(module.active_adapters[0])
+        for name, module in base.named_modules()
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")
+    }
+    merged = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key or ".original_module." in key:
+            continue
+        if ".base_layer." in key:
+            module_name, param = key.split(".base_layer.")
+            if param == "weight" and module_name in deltas:
+                value = value + deltas[module_name].to(value.dtype)
+            key = f"{module_name}.{param}"
+        merged[key.replace(".modules_to_save.default.", ".")] = value.detach().cpu().clone()
+    return merged
+
+
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
-    """Hugging Face layout (safetensors + tokenizer), loadable by plain transformers."""
-    model.save_pretrained(path, safe_serialization=True)
+    """Hugging Face layout (safetensors + tokenizer), loadable by plain transformers.
+
+    A LoRA model is saved merged at ``path``, and its adapters beside it in ``adapters/<name>``
+    for resuming.
+    """
+    if is_lora(model):
+        model.get_base_model().save_pretrained(path, state_dict=merged_state_dict(model))  # type: ignore[operator]
+        model.save_pretrained(path.parent / "adapters" / path.name)
+    else:
+        model.save_pretrained(path)
     tokenizer.save_pretrained(path)
 
 

@@ -48,18 +48,22 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     prompts = [r["prompt"] for r in load_rows(spec.dataset, "ppo")]
     ptx_rows = load_rows(cfg.ptx_dataset, "sft") if cfg.ptx_dataset and cfg.ptx_coef > 0 else []
 
-    # 2. models: trained policy and critic (critic starts as the reward model, PPO-max), frozen
-    #    reference (the starting policy) and frozen reward model
+    # 2. models: trained policy and critic (the critic starts as the reward model, PPO-max), frozen
+    #    reference (the starting policy) and frozen reward model. With LoRA the reference and the
+    #    reward model are the policy's and critic's own bases with the adapters disabled (None here).
     tokenizer = load_tokenizer(spec.model)
     run = Run(spec, out_dir, callbacks, tokenizer)
 
-    def load(model: PreTrainedModel) -> PreTrainedModel:
-        return prepare(model, device, cfg.dtype, cfg.gradient_checkpointing)
+    def causal_lm(ref: str) -> PreTrainedModel:
+        return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
 
-    policy = load(load_causal_lm(run.model_ref("policy", spec.model), tokenizer, spec.seed))
-    ref_policy = frozen(load(load_causal_lm(spec.model, tokenizer, spec.seed)))
-    value_model = load(load_scalar_model(run.model_ref("value", spec.reward_model), tokenizer, spec.seed))
-    reward_model = frozen(load(load_scalar_model(spec.reward_model, tokenizer, spec.seed)))
+    def scalar_model(ref: str) -> PreTrainedModel:
+        return prepare(load_scalar_model(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
+
+    policy = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
+    value_model = run.load_trained("value", spec.reward_model, scalar_model, "SEQ_CLS")
+    ref_policy = frozen(causal_lm(spec.model)) if spec.lora is None else None
+    reward_model = frozen(scalar_model(spec.reward_model)) if spec.lora is None else None
     policy_params = [p for p in policy.parameters() if p.requires_grad]
     value_params = [p for p in value_model.parameters() if p.requires_grad]
     optimizer = make_optimizer(policy_params, cfg, cfg.learning_rate)

@@ -73,8 +73,14 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
     # 2. model (scalar head on the starting model's backbone), optimizer, schedule, resume
     tokenizer = load_tokenizer(spec.model)
     run = Run(spec, out_dir, callbacks, tokenizer)
-    model = load_scalar_model(run.model_ref("policy", spec.model), tokenizer, spec.seed)
-    model = prepare(model, device, cfg.dtype, cfg.gradient_checkpointing)
+    model = run.load_trained(
+        "policy",
+        spec.model,
+        lambda ref: prepare(
+            load_scalar_model(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing
+        ),
+        "SEQ_CLS",
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, cfg.learning_rate)
     scheduler = make_scheduler(optimizer, cfg, total_steps)

@@ -3,6 +3,7 @@
 Every forward here runs under ``torch.inference_mode()``; the training forwards are in ppo_train.py.
 """
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -65,12 +66,17 @@ def sequence_scores(
     return scores.gather(1, last_valid_index(attention_mask).unsqueeze(1)).squeeze(1)
 
 
+def base_of(model: PreTrainedModel) -> AbstractContextManager[None]:
+    """Within this block a LoRA model computes as its frozen base model."""
+    return model.disable_adapter()  # type: ignore[operator]
+
+
 @torch.inference_mode()
 def make_rollout(
     policy: PreTrainedModel,
-    ref_policy: PreTrainedModel,
+    ref_policy: PreTrainedModel | None,
     value_model: PreTrainedModel,
-    reward_model: PreTrainedModel,
+    reward_model: PreTrainedModel | None,
     queries: torch.Tensor,
     query_mask: torch.Tensor,
     response_length: int,
@@ -81,7 +87,10 @@ def make_rollout(
     generator: torch.Generator,
     chunk_size: int,
 ) -> Rollout:
-    """Sample one response per query (B, P) and evaluate it with all four models in chunks of ``chunk_size``."""
+    """Sample one response per query (B, P) and evaluate it with all four models in chunks of ``chunk_size``.
+
+    A ``None`` reference or reward model means: the policy's (critic's) base, with its LoRA adapters disabled.
+    """
     policy.eval()
     value_model.eval()
     raw = sample(
@@ -102,9 +111,11 @@ def make_rollout(
     for i in range(0, queries.shape[0], chunk_size):
         qr, am = query_responses[i : i + chunk_size], attention_mask[i : i + chunk_size]
         logprobs.append(response_logprobs(policy, qr, am, P, temperature)[0])
-        ref_logprobs.append(response_logprobs(ref_policy, qr, am, P, temperature)[0])
+        with base_of(policy) if ref_policy is None else nullcontext():
+            ref_logprobs.append(response_logprobs(ref_policy or policy, qr, am, P, temperature)[0])
         values.append(response_values(value_model, qr, am, P))
-        scores.append(sequence_scores(reward_model, qr, am))
+        with base_of(value_model) if reward_model is None else nullcontext():
+            scores.append(sequence_scores(reward_model or value_model, qr, am))
     return Rollout(
         query_responses=query_responses,
         attention_mask=attention_mask,

@@ -23,6 +23,4 @@ def run_job(
     Model and dataset references must already be resolved to what the engine loads: builtin names,
     hub ids, local paths or job folders. ``job:<id>`` and ``file-<id>`` are resolved by the service.
     """
-    if spec.lora is not None:
-        raise ValueError("lora: low-rank adapters are not supported by this engine version; use lora: null")
     return TRAINERS[spec.type](spec, Path(out_dir), callbacks or Callbacks(), device or pick_device())

@@ -47,8 +47,11 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     # 2. model, optimizer and schedule, restored from the last checkpoint when there is one
     tokenizer = load_tokenizer(spec.model)
     run = Run(spec, out_dir, callbacks, tokenizer)
-    model = load_causal_lm(run.model_ref("policy", spec.model), tokenizer, spec.seed)
-    model = prepare(model, device, cfg.dtype, cfg.gradient_checkpointing)
+
+    def causal_lm(ref: str) -> PreTrainedModel:
+        return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
+
+    model = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, cfg.learning_rate)
     scheduler = make_scheduler(optimizer, cfg, total_steps)
