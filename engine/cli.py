@@ -82,6 +82,13 @@ def train(spec: JobSpec, out: Path, label: str | None = None) -> None:
     print(f"{bar.label}: {result.status} at step {result.step} in {time.perf_counter() - started:.1f}s -> {out}")
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     train(parse_spec(read_spec(args.spec), str(args.spec)), args.out)
 
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("generate", help="sample completions from a model")
     p.add_argument("--model", required=True, help="job folder, checkpoint folder, local model or hub id")
     p.add_argument("--prompt", required=True, action="append", help="prompt text; repeat for several")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -139,7 +146,10 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser.parse_args(argv)
     quiet_transformers()
-    args.func(args)
+    try:
+        args.func(args)
+    except ValueError as e:  # bad model or dataset references, rows, sizes: one line, no traceback
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

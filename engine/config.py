@@ -219,7 +219,7 @@ class JobSpec(_Strict):
     checkpoint_every: Annotated[int, Field(ge=1, le=10_000_000)] = 50
     """Save a checkpoint every this many steps (and always at the end)."""
     keep_checkpoints: Annotated[int, Field(ge=1, le=1000)] = 3
-    """How many recent checkpoints to keep, besides the final one."""
+    """How many of the newest checkpoints to keep; the final one is always the newest."""
     metadata: dict[str, str] = Field(default_factory=dict)
     """Free-form string labels (at most 16 keys, 64-char keys, 512-char values)."""
 

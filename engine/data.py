@@ -113,13 +113,16 @@ def encode_sft_batch(
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_prompt_length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and mask (B, P); long prompts keep their last tokens."""
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"][-max_prompt_length:] for p in prompts]
+    """Left-padded prompt ids and mask (B, P); long prompts keep their last tokens.
+
+    An empty prompt becomes the BOS token (EOS where there is none), so sampling starts unconditioned.
+    """
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"][-max_prompt_length:] or [start] for p in prompts]
     length = max(map(len, ids))
     input_ids = torch.full((len(ids), length), tokenizer.pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(ids), length), dtype=torch.long)
     for i, seq in enumerate(ids):
-        if seq:
-            input_ids[i, length - len(seq) :] = torch.tensor(seq)
-            attention_mask[i, length - len(seq) :] = 1
+        input_ids[i, length - len(seq) :] = torch.tensor(seq)
+        attention_mask[i, length - len(seq) :] = 1
     return input_ids, attention_mask

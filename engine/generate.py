@@ -6,6 +6,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.data import encode_prompts
+from engine.models import check_fits, context_length
 from engine.ops import position_ids_from_mask, truncate_after_stop
 
 
@@ -89,7 +90,16 @@ def generate(
     seed: int = 0,
     max_prompt_length: int = 512,
 ) -> list[Completion]:
-    """Complete each prompt once; seeded, so the same call returns the same texts."""
+    """Complete each prompt once; seeded, so the same call returns the same texts.
+
+    Prompts longer than the model's context allows (after room for ``max_new_tokens``) keep their end.
+    """
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    check_fits(model, max_new_tokens + 1, "max_new_tokens + a one-token prompt")
+    limit = context_length(model)
+    if limit is not None:
+        max_prompt_length = min(max_prompt_length, limit - max_new_tokens)
     device = next(model.parameters()).device
     model.eval()
     input_ids, attention_mask = encode_prompts(tokenizer, prompts, max_prompt_length)

@@ -227,5 +227,21 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path:
     tokenizer.save_pretrained(path)
 
 
+def context_length(model: PreTrainedModel) -> int | None:
+    """How many positions the model can attend to, when its config says."""
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions"):
+        if isinstance(getattr(config, name, None), int):
+            return int(getattr(config, name))
+    return None
+
+
+def check_fits(model: PreTrainedModel, tokens: int, what: str) -> None:
+    """A clear error before training or sampling, instead of an index error deep inside the model."""
+    limit = context_length(model)
+    if limit is not None and tokens > limit:
+        raise ValueError(f"{what} ({tokens} tokens) exceeds the model's context of {limit} positions")
+
+
 def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -16,7 +16,7 @@ from engine.callbacks import Callbacks
 from engine.config import JobSpec, PPOConfig
 from engine.data import batch_indices, encode_prompts, encode_sft_batch, load_rows
 from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
-from engine.models import load_causal_lm, load_scalar_model, load_tokenizer, prepare
+from engine.models import check_fits, load_causal_lm, load_scalar_model, load_tokenizer, prepare
 from engine.ops import entropy_from_logits, masked_mean, masked_whiten
 from engine.ppo import (
     AdaptiveKLController,
@@ -64,6 +64,9 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     value_model = run.load_trained("value", spec.reward_model, scalar_model, "SEQ_CLS")
     ref_policy = frozen(causal_lm(spec.model)) if spec.lora is None else None
     reward_model = frozen(scalar_model(spec.reward_model)) if spec.lora is None else None
+    check_fits(policy, cfg.max_prompt_length + cfg.response_length, "max_prompt_length + response_length")
+    if ptx_rows:
+        check_fits(policy, cfg.max_length, "hyperparameters.max_length")
     policy_params = [p for p in policy.parameters() if p.requires_grad]
     value_params = [p for p in value_model.parameters() if p.requires_grad]
     optimizer = make_optimizer(policy_params, cfg, cfg.learning_rate)

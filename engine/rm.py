@@ -14,7 +14,7 @@ from engine.callbacks import Callbacks
 from engine.config import JobSpec, RMConfig
 from engine.data import batch_indices, encode_pair, load_rows, pad_right
 from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
-from engine.models import load_scalar_model, load_tokenizer, prepare, scalar_outputs
+from engine.models import check_fits, load_scalar_model, load_tokenizer, prepare, scalar_outputs
 from engine.ops import last_valid_index
 
 
@@ -73,14 +73,12 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
     # 2. model (scalar head on the starting model's backbone), optimizer, schedule, resume
     tokenizer = load_tokenizer(spec.model)
     run = Run(spec, out_dir, callbacks, tokenizer)
-    model = run.load_trained(
-        "policy",
-        spec.model,
-        lambda ref: prepare(
-            load_scalar_model(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing
-        ),
-        "SEQ_CLS",
-    )
+
+    def scalar_model(ref: str) -> PreTrainedModel:
+        return prepare(load_scalar_model(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
+
+    model = run.load_trained("policy", spec.model, scalar_model, "SEQ_CLS")
+    check_fits(model, cfg.max_length, "hyperparameters.max_length")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, cfg.learning_rate)
     scheduler = make_scheduler(optimizer, cfg, total_steps)

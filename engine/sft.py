@@ -11,7 +11,7 @@ from engine.callbacks import Callbacks
 from engine.config import JobSpec, SFTConfig
 from engine.data import batch_indices, encode_sft_batch, load_rows
 from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
-from engine.models import lm_logits, load_causal_lm, load_tokenizer, prepare
+from engine.models import check_fits, lm_logits, load_causal_lm, load_tokenizer, prepare
 
 
 def completion_loss_sum(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -52,6 +52,7 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
 
     model = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
+    check_fits(model, cfg.max_length, "hyperparameters.max_length")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, cfg.learning_rate)
     scheduler = make_scheduler(optimizer, cfg, total_steps)

@@ -1,0 +1,256 @@
+"""Datasets (JSONL validation, SFT encoding), seeded generation and model references."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import builtin
+from engine.checkpoint import JOB_FILE
+from engine.data import DatasetError, encode_prompts, encode_sft_batch, load_rows, parse_jsonl
+from engine.generate import generate, sample
+from engine.models import ModelNotFoundError, load_causal_lm, load_tokenizer, resolve_model_ref
+from tests.engine.conftest import Recorder, make_spec, train
+
+# --- JSONL datasets -------------------------------------------------------------------------------
+
+GOOD_SFT = [
+    json.dumps({"prompt": "we watched the film and it was", "completion": " great ."}),
+    "",  # blank lines are skipped but still counted
+    json.dumps({"prompt": "i streamed this drama and it was", "completion": " dull .", "extra": 1}),
+]
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "kind", "expected"),
+    [
+        ('{"prompt": "a", "completion": ', "sft", "invalid JSON"),
+        (json.dumps({"prompt": "a"}), "sft", "'completion'"),
+        (json.dumps({"prompt": "a", "completion": 3}), "sft", "'completion'"),
+        (json.dumps({"prompt": "a", "completion": ""}), "sft", "'completion'"),
+        (json.dumps({"prompt": ["a"], "completion": "b"}), "sft", "'prompt'"),
+        (json.dumps(["a", "b"]), "sft", "JSON object"),
+        (json.dumps({"prompt": "a", "completion": "b"}), "rm", "'chosen'"),  # an sft row where rm rows belong
+        (json.dumps({"prompt": "a", "chosen": "b", "rejected": None}), "rm", "'rejected'"),
+        (json.dumps({"text": "a"}), "ppo", "'prompt'"),
+    ],
+)
+def test_bad_line_is_named(bad_line, kind, expected):
+    good = {
+        "sft": GOOD_SFT,
+        "rm": [json.dumps({"prompt": "p", "chosen": "c", "rejected": "r"})] * 3,
+        "ppo": [json.dumps({"prompt": "p"})] * 3,
+    }[kind]
+    lines = [*good, bad_line, good[0]]  # the bad row is line 4
+    with pytest.raises(DatasetError) as info:
+        parse_jsonl(lines, kind)
+    message = str(info.value)
+    assert message.startswith("line 4:"), message
+    assert expected in message, message
+
+
+def test_bad_line_in_a_file_fails_the_whole_file(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join([*GOOD_SFT, "not json"]) + "\n", encoding="utf-8")
+    with pytest.raises(DatasetError, match=r"^line 4: invalid JSON"):
+        load_rows(str(path), "sft")
+
+
+def test_good_file_loads(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(GOOD_SFT) + "\n\n", encoding="utf-8")
+    rows = load_rows(str(path), "sft")
+    assert rows == [
+        {"prompt": "we watched the film and it was", "completion": " great ."},
+        {"prompt": "i streamed this drama and it was", "completion": " dull ."},  # unknown fields dropped
+    ]
+
+
+def test_load_rows_errors(tmp_path):
+    with pytest.raises(DatasetError, match="no rows"):
+        parse_jsonl(["", "  "], "sft")
+    with pytest.raises(DatasetError, match="not found"):
+        load_rows(str(tmp_path / "missing.jsonl"), "sft")
+    with pytest.raises(DatasetError, match="unknown built-in"):
+        load_rows("builtin:no-such-data", "sft")
+    with pytest.raises(DatasetError, match="holds rm rows"):
+        load_rows("builtin:reviews-prefs", "sft")
+
+
+def test_builtin_datasets_are_deterministic_and_well_formed():
+    for name, (kind, _) in builtin.DATASETS.items():
+        rows = load_rows(f"builtin:{name}", kind)
+        assert rows == load_rows(f"builtin:{name}", kind)
+        assert len(rows) in (4000, 400)
+        for row in rows[:50]:
+            assert all(isinstance(v, str) and v for v in row.values())
+
+
+# --- SFT encoding ---------------------------------------------------------------------------------
+
+
+def test_sft_labels_mask_prompt_and_padding():
+    tokenizer = load_tokenizer("builtin:tiny")
+    rows = [
+        {"prompt": "we watched the film and it was", "completion": " great . i loved it ."},
+        {"prompt": "i streamed it and it was", "completion": " dull ."},
+    ]
+    batch = encode_sft_batch(tokenizer, rows, max_length=128)
+    input_ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]  # (2, L)
+    assert input_ids.shape == mask.shape == labels.shape
+    for i, row in enumerate(rows):
+        prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        n = len(prompt) + len(completion)
+        # right-padded: tokens first, then padding
+        assert input_ids[i, :n].tolist() == prompt + completion
+        assert mask[i].tolist() == [1] * n + [0] * (input_ids.shape[1] - n)
+        assert (input_ids[i, n:] == tokenizer.pad_token_id).all()
+        # labels: -100 on the prompt and the padding, the completion (with its EOS) otherwise
+        expected = [-100] * len(prompt) + completion + [-100] * (input_ids.shape[1] - n)
+        assert labels[i].tolist() == expected
+    assert mask[1].sum() < mask[0].sum()  # the second row really is padded
+
+
+def test_sft_truncation_drops_the_start_of_the_prompt():
+    tokenizer = load_tokenizer("builtin:tiny")
+    row = {"prompt": "last night i saw the new thriller and honestly it was", "completion": " great ."}
+    prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+    completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    max_length = len(completion) + 3
+    batch = encode_sft_batch(tokenizer, [row], max_length=max_length)
+    assert batch["input_ids"][0].tolist() == prompt[-3:] + completion
+    assert batch["labels"][0].tolist() == [-100] * 3 + completion
+
+
+# --- generation -----------------------------------------------------------------------------------
+
+PROMPTS = ["we watched the film and it was", "i streamed this western and honestly it was", "the sequel was"]
+
+
+@pytest.fixture(scope="module")
+def sft_model(sft_dir):
+    path = resolve_model_ref(str(sft_dir))
+    tokenizer = load_tokenizer(path)
+    return load_causal_lm(path, tokenizer, seed=0), tokenizer
+
+
+def test_generate_is_reproducible_for_a_seed(sft_model):
+    model, tokenizer = sft_model
+    first = generate(model, tokenizer, PROMPTS, max_new_tokens=12, temperature=1.0, seed=3)
+    again = generate(model, tokenizer, PROMPTS, max_new_tokens=12, temperature=1.0, seed=3)
+    assert first == again
+    assert [c.prompt for c in first] == PROMPTS
+    others = [generate(model, tokenizer, PROMPTS, max_new_tokens=12, temperature=1.0, seed=s) for s in (4, 5)]
+    assert any(o != first for o in others), "different seeds should sample differently"
+
+
+def test_generate_finish_reason(sft_model):
+    model, tokenizer = sft_model
+    # the SFT model completes a review in well under 40 tokens, then emits EOS
+    done = generate(model, tokenizer, PROMPTS, max_new_tokens=40, temperature=0)
+    assert [c.finish_reason for c in done] == ["stop"] * 3
+    assert all(c.text.strip() for c in done)
+    assert all(tokenizer.eos_token not in c.text for c in done)
+    # two tokens are never enough
+    cut = generate(model, tokenizer, PROMPTS, max_new_tokens=2, temperature=0)
+    assert [c.finish_reason for c in cut] == ["length"] * 3
+    for short, full in zip(cut, done, strict=True):
+        assert full.text.startswith(short.text)
+
+
+def test_generate_finish_reason_per_row(sft_model):
+    """finish_reason follows each row's own tokens, also when rows stop at different times."""
+    model, tokenizer = sft_model
+    prompts = PROMPTS * 4
+    completions = generate(model, tokenizer, prompts, max_new_tokens=9, temperature=1.0, seed=0)
+    ids, mask = encode_prompts(tokenizer, prompts, 512)
+    raw = sample(
+        model, ids, mask, 9, 1.0, eos_token_id=tokenizer.eos_token_id, generator=torch.Generator().manual_seed(0)
+    )
+    expected = ["stop" if tokenizer.eos_token_id in row else "length" for row in raw.tolist()]
+    assert [c.finish_reason for c in completions] == expected
+    assert set(expected) == {"stop", "length"}, "this seed should give both kinds"
+
+
+def test_left_padding_does_not_change_a_completion(sft_model):
+    """Positions follow the mask: a prompt's samples do not depend on how much left padding it gets.
+
+    Sampling draws the same random numbers per row whatever the probabilities, so with the same seed and batch
+    size, row 1 samples the same tokens next to a long or a short neighbour (padded by different amounts).
+    """
+    model, tokenizer = sft_model
+    neighbours = ["last night my friends and i saw the new animated film and honestly it was", "we watched"]
+    lengths = [len(tokenizer(n)["input_ids"]) for n in neighbours]
+    assert lengths[0] > lengths[1] + 8
+    for short in ["the sequel was", "i streamed this western and it was"]:
+        texts = [
+            generate(model, tokenizer, [neighbour, short], max_new_tokens=16, temperature=1.0, seed=7)[1].text
+            for neighbour in neighbours
+        ]
+        assert texts[0] == texts[1]
+    greedy_alone = generate(model, tokenizer, ["the sequel was"], max_new_tokens=12, temperature=0)
+    greedy_batched = generate(model, tokenizer, [neighbours[0], "the sequel was"], max_new_tokens=12, temperature=0)
+    assert greedy_batched[1].text == greedy_alone[0].text
+
+
+def test_generate_with_a_prompt_longer_than_the_context(sft_model):
+    """builtin:tiny has 128 positions. A longer prompt keeps its end so that it fits with the new tokens,
+    instead of crashing inside the position embedding with an IndexError."""
+    model, tokenizer = sft_model
+    context = model.config.n_positions  # 128
+    prompt = " ".join(["we watched the film and it was great ."] * 16)
+    assert len(tokenizer(prompt)["input_ids"]) > context
+    completions = generate(model, tokenizer, [prompt], max_new_tokens=8, temperature=1.0)
+    assert len(completions) == 1 and completions[0].finish_reason in ("stop", "length")
+    with pytest.raises(ValueError, match="context"):
+        generate(model, tokenizer, ["we watched"], max_new_tokens=context, temperature=1.0)
+
+
+def test_generate_with_an_empty_prompt(sft_model):
+    """An empty prompt samples unconditionally (from the BOS/EOS token)."""
+    model, tokenizer = sft_model
+    completions = generate(model, tokenizer, [""], max_new_tokens=8, temperature=1.0)
+    assert len(completions) == 1 and completions[0].prompt == "" and completions[0].text
+
+
+# --- model references -----------------------------------------------------------------------------
+
+
+def test_resolve_model_ref(tmp_path, sft_dir):
+    job = json.loads((sft_dir / JOB_FILE).read_text())
+    final = sft_dir / "checkpoints" / f"step-{job['final_step']}"
+    assert resolve_model_ref(str(sft_dir)) == str(final / "policy")
+    assert resolve_model_ref(str(final)) == str(final / "policy")
+    assert resolve_model_ref("builtin:tiny") == "builtin:tiny"
+    missing = str(tmp_path / "nowhere")
+    assert resolve_model_ref(missing) == missing  # e.g. a hub id
+
+
+def test_resolve_model_ref_of_an_unfinished_job(tmp_path):
+    out = tmp_path / "paused"
+    result, _ = train(make_spec("sft", hyperparameters={"max_steps": 4}), out, Recorder(stop_after=2))
+    assert result.status == "paused"
+    with pytest.raises(ModelNotFoundError, match="not finished"):
+        resolve_model_ref(str(out))
+    # its checkpoint can be named explicitly
+    assert resolve_model_ref(str(out / "checkpoints" / "step-2")) == str(out / "checkpoints" / "step-2" / "policy")
+    with pytest.raises(ModelNotFoundError):
+        load_tokenizer(str(out))
+
+
+def test_resolve_model_ref_of_a_failed_job(tmp_path, sft_dir):
+    out = tmp_path / "failed"
+    shutil.copytree(sft_dir, out)
+    (out / JOB_FILE).write_text(json.dumps({"status": "failed", "final_step": 60}))
+    with pytest.raises(ModelNotFoundError, match="not succeeded"):
+        resolve_model_ref(str(out))
+
+
+def test_a_job_folder_names_a_model_in_a_later_spec(tmp_path, sft_dir):
+    """An SFT job's folder is a valid ``model``: training starts from its weights and tokenizer."""
+    result, rec = train(make_spec("sft", model=sft_dir, hyperparameters={"max_steps": 1}), tmp_path / "more")
+    assert result.status == "succeeded"
+    # a trained model starts far below the random model's loss of ~ln(vocab)
+    assert rec.metrics[1]["loss/sft"] < 2.0
