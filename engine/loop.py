@@ -112,12 +112,20 @@ class Run:
         adapters = self.resume_from / "adapters" / name if self.resume_from else None
         return apply_lora(load(fresh_ref), self.spec.lora, task, adapters)
 
-    def start(self, total_steps: int) -> tuple[int, dict[str, Any] | None]:
-        """Announce the job; returns (start step, trainer state to restore or None)."""
+    def start(
+        self, total_steps: int, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
+    ) -> tuple[int, dict[str, Any] | None]:
+        """Announce the job; when resuming, restore optimizer, schedule and RNG states.
+
+        Returns (start step, the checkpoint's trainer state for the loop's own parts, or None).
+        """
         self.total_steps = total_steps
+        self.optimizer, self.scheduler = optimizer, scheduler
         state = load_trainer_state(self.resume_from) if self.resume_from else None
         start_step = state["step"] if state else 0
         if state:
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
             self.callbacks.on_event("info", f"resumed from step {start_step}", {"step": start_step})
         self.callbacks.on_start(start_step, total_steps)
         return start_step, state
@@ -127,15 +135,19 @@ class Run:
         step: int,
         metrics: dict[str, float],
         models: dict[str, PreTrainedModel],
-        state: Callable[[], dict[str, Any]],
+        extra_state: Callable[[], dict[str, Any]] = dict,
     ) -> JobResult | None:
-        """Report ``step``; checkpoint when due; returns the job's result once it is over, else None."""
+        """Report ``step``; checkpoint when due; returns the job's result once it is over, else None.
+
+        A checkpoint's trainer state holds optimizer and schedule, plus what ``extra_state()`` returns.
+        """
         self.callbacks.on_metrics(step, metrics)
         final = step >= self.total_steps
         stop = None if final else self.callbacks.should_stop()
         if final or stop == "pause" or step % self.spec.checkpoint_every == 0:
+            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
             self.last_checkpoint = save_checkpoint(
-                self.out_dir, step, models, self.tokenizer, state(), keep=self.spec.keep_checkpoints
+                self.out_dir, step, models, self.tokenizer, {**state, **extra_state()}, keep=self.spec.keep_checkpoints
             )
             self.callbacks.on_checkpoint(step, self.last_checkpoint, metrics)
         if final:

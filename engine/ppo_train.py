@@ -80,10 +80,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     score_moments = RunningMoments()
     generator = torch.Generator(device).manual_seed(spec.seed)  # sampling
     shuffle = torch.Generator().manual_seed(spec.seed + 1)  # minibatch order
-    start_step, state = run.start(cfg.total_steps)
+    start_step, state = run.start(cfg.total_steps, optimizer, scheduler)
     if state:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
         kl_ctl.load_state_dict(state["kl_ctl"])
         score_moments.load_state_dict(state["score_moments"])
         generator.set_state(state["generator"])
@@ -236,8 +234,6 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
 
         def state_fn() -> dict[str, object]:
             return {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
                 "kl_ctl": kl_ctl.state_dict(),
                 "score_moments": score_moments.state_dict(),
                 "generator": generator.get_state(),

@@ -56,10 +56,7 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, cfg.learning_rate)
     scheduler = make_scheduler(optimizer, cfg, total_steps)
-    start_step, state = run.start(total_steps)
-    if state:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+    start_step, _ = run.start(total_steps, optimizer, scheduler)
     if done := run.result_if_finished(start_step):
         return done
     eval_batches = [
@@ -96,7 +93,6 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         }
         if eval_batches and (step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             metrics["eval/loss"] = eval_loss(model, eval_batches)
-        state_fn = lambda: {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}  # noqa: E731
-        if result := run.end_step(step, metrics, {"policy": model}, state_fn):
+        if result := run.end_step(step, metrics, {"policy": model}):
             return result
     raise AssertionError("unreachable: the last step ends the run")
