@@ -11,7 +11,7 @@ install:
 	$(PIP) install -q -e '.[dev]'
 
 demo: install
-	rlhf demo --out runs/demo
+	$(PYTHON) -m engine.cli demo --out runs/demo
 
 test: install
 	$(PYTHON) -m pytest -q

@@ -155,6 +155,11 @@ class PPOConfig(TrainConfig):
     """First steps that train only the critic (policy frozen)."""
     target_approxkl: Annotated[float, Field(gt=0, le=1000)] | None = None
     """Stop a step's remaining PPO epochs once a minibatch's approx-KL exceeds this."""
+    eval_every: Annotated[int, Field(ge=1)] | None = None
+    """With an eval dataset: sample its prompts every this many steps (and at the end) and report
+    ``eval/scores``, ``eval/kl`` and ``eval/length_mean``."""
+    eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
+    """Use at most this many eval prompts (the first ones)."""
 
     @property
     def micro_batch_size(self) -> int:

@@ -47,6 +47,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     # 1. data: prompts, and SFT rows for the optional pretraining (ptx) loss
     prompts = [r["prompt"] for r in load_rows(spec.dataset, "ppo")]
     ptx_rows = load_rows(cfg.ptx_dataset, "sft") if cfg.ptx_dataset and cfg.ptx_coef > 0 else []
+    eval_prompts = [r["prompt"] for r in load_rows(spec.eval_dataset, "ppo")] if spec.eval_dataset else []
+    eval_prompts = eval_prompts[: cfg.eval_max_prompts]
 
     # 2. models: trained policy and critic (the critic starts as the reward model, PPO-max), frozen
     #    reference (the starting policy) and frozen reward model. With LoRA the reference and the
@@ -90,6 +92,27 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         return done
     stop_token_id = tokenizer.eos_token_id if cfg.stop_token == "eos" else None
     B, mbs, T = cfg.batch_size, cfg.micro_batch_size, cfg.response_length
+
+    def evaluate(eval_prompts: list[str]) -> dict[str, float]:
+        """Held-out prompts, sampled as in training but from their own fixed seed (training RNG untouched)."""
+        eval_generator = torch.Generator(device).manual_seed(spec.seed)
+        scores, kls, lengths = [], [], []
+        for i in range(0, len(eval_prompts), B):
+            queries, query_mask = (
+                t.to(device) for t in encode_prompts(tokenizer, eval_prompts[i : i + B], cfg.max_prompt_length)
+            )
+            ro = make_rollout(
+                policy, ref_policy, value_model, reward_model, queries, query_mask, T, cfg.temperature, cfg.top_k,
+                stop_token_id, tokenizer.pad_token_id, eval_generator, chunk_size=cfg.mini_batch_size,
+            )  # fmt: skip
+            scores.append(ro.scores)
+            kls.append(((ro.logprobs - ro.ref_logprobs) * ro.mask).sum(1))
+            lengths.append(ro.mask.sum(1).float())
+        return {
+            "eval/scores": torch.cat(scores).mean().item(),
+            "eval/kl": torch.cat(kls).mean().item(),
+            "eval/length_mean": torch.cat(lengths).mean().item(),
+        }
 
     for step in range(start_step + 1, cfg.total_steps + 1):
         t0 = time.perf_counter()
@@ -231,6 +254,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         }
         if ptx_rows:
             metrics["loss/ptx"] = _mean(stats["ptx"])
+        if eval_prompts and (step == cfg.total_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+            metrics.update(evaluate(eval_prompts))
 
         def state_fn() -> dict[str, object]:
             return {

@@ -218,3 +218,21 @@ def test_sizes_beyond_the_model_context_fail_before_training(pretrained, tmp_pat
     with pytest.raises(ValueError, match="max_length"):
         train(sft, tmp_path / "sft")
     assert not (tmp_path / "ppo" / "checkpoints").exists()
+
+
+def test_eval_dataset_reports_eval_metrics_without_changing_training(pretrained, tmp_path):
+    plain = ppo_spec(pretrained.sft, pretrained.rm, total_steps=3)
+    with_eval = plain.model_copy(
+        update={
+            "eval_dataset": "builtin:reviews-prompts-eval",
+            "hyperparameters": {**plain.hyperparameters, "eval_every": 2, "eval_max_prompts": 16},
+        }
+    )
+    _, rec_plain = train(plain, tmp_path / "plain")
+    _, rec_eval = train(with_eval, tmp_path / "eval")
+    assert sorted(s for s, m in rec_eval.metrics.items() if "eval/scores" in m) == [2, 3]
+    assert all(k not in rec_plain.metrics[3] for k in ("eval/scores", "eval/kl", "eval/length_mean"))
+    assert 1 <= rec_eval.metrics[3]["eval/length_mean"] <= 8
+    # Evaluation samples from its own generator: the training trajectory is unchanged.
+    for step in (1, 2, 3):
+        assert rec_eval.metrics[step]["objective/scores"] == rec_plain.metrics[step]["objective/scores"]
