@@ -236,6 +236,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
             "objective/entropy": (-ro.logprobs * mask).sum(1).mean().item(),
             "policy/approxkl": _mean(stats["akl"]),
             "policy/clipfrac": _mean(stats["clip"]),
+            "policy/entropy": _mean(stats["ent"]),
             "loss/policy": _mean(stats["pg"]),
             "loss/value": _mean(stats["vf"]),
             "val/clipfrac": _mean(stats["vclip"]),
