@@ -1,0 +1,320 @@
+"""Every read and write of the service's tables, in keyword-only functions. Routes and tasks call these.
+
+Job status changes are guarded in SQL (``UPDATE … WHERE status IN (…)``), so two workers can never
+both run one job, and a late request cannot undo a final status.
+"""
+
+import hashlib
+import secrets
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+from sqlalchemy import Select, and_, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from jobs.store.models import (
+    ACTIVE_STATUSES,
+    ApiKey,
+    Checkpoint,
+    Event,
+    File,
+    Job,
+    Metric,
+    Project,
+    utcnow,
+)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(6)}"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+# --- projects and keys --------------------------------------------------------------------------
+
+
+def create_project(session: Session, *, name: str) -> Project:
+    project = Project(id=new_id("proj_"), name=name)
+    session.add(project)
+    session.flush()
+    return project
+
+
+def create_api_key(session: Session, *, project_id: str, name: str) -> tuple[ApiKey, str]:
+    """A new key for the project: (row, the key itself — shown once, stored only hashed)."""
+    key = f"rlhf-{secrets.token_urlsafe(32)}"
+    row = ApiKey(id=new_id("key_"), project_id=project_id, name=name, key_hash=hash_key(key), prefix=key[:12])
+    session.add(row)
+    session.flush()
+    return row, key
+
+
+def project_for_key(session: Session, *, key: str) -> Project | None:
+    stmt = (
+        select(Project)
+        .join(ApiKey, ApiKey.project_id == Project.id)
+        .where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
+    )
+    return session.scalars(stmt).first()
+
+
+# --- files -------------------------------------------------------------------------------------
+
+
+def create_file(
+    session: Session, *, file_id: str, project_id: str, filename: str, purpose: str, size: int, rows: int, path: str
+) -> File:
+    row = File(id=file_id, project_id=project_id, filename=filename, purpose=purpose, bytes=size, rows=rows, path=path)
+    session.add(row)
+    session.flush()
+    return row
+
+
+def get_file(session: Session, *, file_id: str, project_id: str) -> File | None:
+    return session.scalars(select(File).where(File.id == file_id, File.project_id == project_id)).first()
+
+
+def list_files(session: Session, *, project_id: str, after: str | None, limit: int) -> tuple[list[File], bool]:
+    stmt = select(File).where(File.project_id == project_id)
+    return _page(session, stmt, File, after, limit)
+
+
+# --- jobs --------------------------------------------------------------------------------------
+
+
+def create_job(
+    session: Session, *, project_id: str, spec: dict[str, Any], idempotency_key: str | None
+) -> tuple[Job, bool]:
+    """(job, created). With an idempotency key already used in this project, the earlier job comes back."""
+    if idempotency_key is not None:
+        existing = session.scalars(
+            select(Job).where(Job.project_id == project_id, Job.idempotency_key == idempotency_key)
+        ).first()
+        if existing is not None:
+            return existing, False
+    job = Job(
+        id=new_id("job_"),
+        project_id=project_id,
+        type=spec["type"],
+        name=spec.get("name"),
+        spec=spec,
+        idempotency_key=idempotency_key,
+        latest_metrics={},
+    )
+    session.add(job)
+    session.flush()
+    return job, True
+
+
+def get_job(session: Session, *, job_id: str, project_id: str | None = None) -> Job | None:
+    stmt = select(Job).where(Job.id == job_id)
+    if project_id is not None:
+        stmt = stmt.where(Job.project_id == project_id)
+    return session.scalars(stmt).first()
+
+
+def list_jobs(
+    session: Session,
+    *,
+    project_id: str,
+    status: str | None = None,
+    job_type: str | None = None,
+    after: str | None = None,
+    limit: int = 20,
+) -> tuple[list[Job], bool]:
+    stmt = select(Job).where(Job.project_id == project_id)
+    if status is not None:
+        stmt = stmt.where(Job.status == status)
+    if job_type is not None:
+        stmt = stmt.where(Job.type == job_type)
+    return _page(session, stmt, Job, after, limit)
+
+
+PageRow = TypeVar("PageRow", Job, File)
+P = TypeVar("P")
+
+
+def _page(
+    session: Session, stmt: Select[PageRow], model: type[PageRow], after: str | None, limit: int
+) -> tuple[list[PageRow], bool]:
+    """Newest first; ``after`` is the id of the last row of the previous page."""
+    if after is not None:
+        anchor = session.get(model, after)
+        if anchor is not None:
+            stmt = stmt.where(
+                or_(
+                    model.created_at < anchor.created_at,
+                    and_(model.created_at == anchor.created_at, model.id < anchor.id),
+                )
+            )
+    rows = list(session.scalars(stmt.order_by(model.created_at.desc(), model.id.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def transition(session: Session, *, job_id: str, from_statuses: Iterable[str], to: str, **values: Any) -> bool:
+    """Move a job to status ``to`` only if it is in one of ``from_statuses``; True if it moved."""
+    stmt = (
+        update(Job)
+        .where(Job.id == job_id, Job.status.in_(list(from_statuses)))
+        .values(status=to, updated_at=utcnow(), **values)
+    )
+    moved = session.execute(stmt).rowcount == 1  # type: ignore[attr-defined]
+    if moved:
+        session.add(Event(job_id=job_id, kind="status", message=to, data={"status": to}))
+    return moved
+
+
+def claim_job(session: Session, *, job_id: str, worker: str, lease_seconds: int) -> bool:
+    """queued → running, owned by ``worker`` until the lease runs out unless renewed."""
+    now = utcnow()
+    return transition(
+        session,
+        job_id=job_id,
+        from_statuses=("queued",),
+        to="running",
+        worker=worker,
+        lease_until=now + timedelta(seconds=lease_seconds),
+        started_at=func.coalesce(Job.started_at, now),
+        error_code=None,
+        error_message=None,
+    )
+
+
+def heartbeat(session: Session, *, job_id: str, worker: str, lease_seconds: int) -> str | None:
+    """Renew the lease of a job this worker runs; returns its status (``cancelling``/``pausing`` ask it
+    to stop), or None when the job is no longer this worker's."""
+    stmt = (
+        update(Job)
+        .where(Job.id == job_id, Job.worker == worker, Job.status.in_(ACTIVE_STATUSES))
+        .values(lease_until=utcnow() + timedelta(seconds=lease_seconds))
+        .returning(Job.status)
+    )
+    return session.execute(stmt).scalar_one_or_none()
+
+
+def recover_expired(session: Session, *, max_attempts: int, now: datetime | None = None) -> list[str]:
+    """Jobs whose worker stopped renewing its lease: back to ``queued`` with ``attempt + 1`` (past the cap:
+    failed, ``worker_lost``); a lost ``pausing`` job is ``paused`` and a lost ``cancelling`` one ``cancelled``.
+    Returns the ids put back in the queue, for the caller to enqueue after commit."""
+    now = now or utcnow()
+    expired = list(session.scalars(select(Job).where(Job.status.in_(ACTIVE_STATUSES), Job.lease_until < now)))
+    requeued = []
+    for job in expired:
+        free = {"worker": None, "lease_until": None}
+        if job.status == "cancelling":
+            transition(session, job_id=job.id, from_statuses=("cancelling",), to="cancelled", finished_at=now, **free)
+        elif job.status == "pausing":
+            transition(session, job_id=job.id, from_statuses=("pausing",), to="paused", **free)
+        elif job.attempt >= max_attempts:
+            transition(
+                session, job_id=job.id, from_statuses=("running",), to="failed", finished_at=now,
+                error_code="worker_lost", error_message=f"the worker was lost {job.attempt} times", **free,
+            )  # fmt: skip
+        elif transition(
+            session, job_id=job.id, from_statuses=("running",), to="queued", attempt=job.attempt + 1, **free
+        ):
+            add_event(session, job_id=job.id, kind="warning", message="worker lost; the job was requeued")
+            requeued.append(job.id)
+    return requeued
+
+
+# --- metrics, events, checkpoints --------------------------------------------------------------
+
+
+def add_metrics(session: Session, *, job_id: str, step: int, metrics: dict[str, float]) -> None:
+    """Record one step's metrics; a step already recorded (a redelivered task) is kept as it was."""
+    if not metrics:
+        return
+    rows = [{"job_id": job_id, "name": name, "step": step, "value": float(value)} for name, value in metrics.items()]
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    session.execute(insert(Metric).values(rows).on_conflict_do_nothing(index_elements=["job_id", "name", "step"]))
+    session.execute(update(Job).where(Job.id == job_id).values(step=step, latest_metrics=dict(metrics)))
+
+
+def add_event(session: Session, *, job_id: str, kind: str, message: str, data: dict[str, Any] | None = None) -> Event:
+    event = Event(job_id=job_id, kind=kind, message=message, data=data or {})
+    session.add(event)
+    session.flush()
+    return event
+
+
+def record_checkpoint(
+    session: Session, *, job_id: str, step: int, path: str, metrics: dict[str, float], kept_steps: Sequence[int]
+) -> None:
+    """Add (or replace) the checkpoint of ``step`` and forget those the engine's retention deleted."""
+    existing = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)).first()
+    if existing is None:
+        session.add(Checkpoint(job_id=job_id, step=step, path=path, metrics=dict(metrics)))
+    else:
+        existing.path, existing.metrics = path, dict(metrics)
+    for old in session.scalars(
+        select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step.not_in([*kept_steps, step]))
+    ):
+        session.delete(old)
+    add_event(session, job_id=job_id, kind="checkpoint", message=f"checkpoint at step {step}", data={"step": step})
+
+
+def list_checkpoints(session: Session, *, job_id: str) -> list[Checkpoint]:
+    return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
+
+
+def get_checkpoint(session: Session, *, job_id: str, step: int | None) -> Checkpoint | None:
+    """The checkpoint of ``step``, or the newest one when ``step`` is None."""
+    stmt = select(Checkpoint).where(Checkpoint.job_id == job_id)
+    stmt = stmt.where(Checkpoint.step == step) if step is not None else stmt.order_by(Checkpoint.step.desc())
+    return session.scalars(stmt.limit(1)).first()
+
+
+def metric_history(
+    session: Session,
+    *,
+    job_id: str,
+    names: Sequence[str] | None,
+    start_step: int | None,
+    end_step: int | None,
+    max_points: int | None,
+) -> dict[str, list[tuple[int, float]]]:
+    stmt = select(Metric.name, Metric.step, Metric.value).where(Metric.job_id == job_id)
+    if names:
+        stmt = stmt.where(Metric.name.in_(list(names)))
+    if start_step is not None:
+        stmt = stmt.where(Metric.step >= start_step)
+    if end_step is not None:
+        stmt = stmt.where(Metric.step <= end_step)
+    series: dict[str, list[tuple[int, float]]] = {}
+    for name, step, value in session.execute(stmt.order_by(Metric.name, Metric.step)):
+        series.setdefault(name, []).append((step, value))
+    if max_points is not None:
+        series = {name: downsample(points, max_points) for name, points in series.items()}
+    return series
+
+
+def downsample(points: Sequence[P], max_points: int) -> list[P]:
+    """At most ``max_points`` evenly spaced points, always keeping the first and the last."""
+    n = len(points)
+    if n <= max_points:
+        return list(points)
+    if max_points == 1:
+        return [points[-1]]
+    indices = sorted({round(i * (n - 1) / (max_points - 1)) for i in range(max_points)})
+    return [points[i] for i in indices]
+
+
+def list_events(session: Session, *, job_id: str, after: int | None, limit: int) -> tuple[list[Event], bool]:
+    stmt = select(Event).where(Event.job_id == job_id)
+    if after is not None:
+        stmt = stmt.where(Event.id > after)
+    rows = list(session.scalars(stmt.order_by(Event.id).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def metrics_after(session: Session, *, job_id: str, after: int, limit: int) -> list[Metric]:
+    """Metric rows in insertion order after row id ``after`` (the SSE stream's cursor)."""
+    stmt = select(Metric).where(Metric.job_id == job_id, Metric.id > after).order_by(Metric.id).limit(limit)
+    return list(session.scalars(stmt))

@@ -1,0 +1,62 @@
+"""The one settings object of the service, read from ``RLHF_*`` environment variables by ``api/`` and ``jobs/``.
+
+The engine never reads it: workers pass what it needs as arguments.
+"""
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RLHF_", use_attribute_docstrings=True, extra="ignore")
+
+    environment: Literal["development", "production"] = "development"
+    """``production`` refuses the embedded defaults (SQLite database and broker)."""
+    data_dir: Path = Path("rlhf-data")
+    """Folder of the embedded defaults: database, broker, artifacts and the API key file."""
+    database_url: str | None = None
+    """SQLAlchemy URL, e.g. ``postgresql+psycopg://user@host/db``; default: SQLite in ``data_dir``."""
+    broker_url: str | None = None
+    """Celery broker, e.g. ``redis://host:6379/0``; default: a SQLite-backed broker in ``data_dir``."""
+    artifacts_dir: Path | None = None
+    """Checkpoints and uploaded files (a shared volume when workers run on several machines); default
+    ``data_dir/artifacts``."""
+    model_root: Path | None = None
+    """Local model folders a job spec may name (paths under this root); None: local paths are refused."""
+    lease_seconds: int = 120
+    """How long a training worker's claim on a job lasts without a heartbeat."""
+    max_attempts: int = 3
+    """Runs of a job (the first plus retries after a lost worker) before it fails with ``worker_lost``."""
+    inference_cache_size: int = 2
+    """Checkpoints an inference worker keeps loaded (least recently used are evicted)."""
+    max_upload_bytes: int = 200 * 1024 * 1024
+    """Largest accepted dataset file."""
+    visibility_timeout_seconds: int = 7 * 24 * 3600
+    """Redis visibility timeout: longer than any job, so a running job is never redelivered."""
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'rlhf.db').resolve()}"
+
+    @property
+    def resolved_broker_url(self) -> str:
+        return self.broker_url or f"sqla+sqlite:///{(self.data_dir / 'broker.db').resolve()}"
+
+    @property
+    def resolved_artifacts_dir(self) -> Path:
+        return (self.artifacts_dir or self.data_dir / "artifacts").resolve()
+
+    def check(self) -> None:
+        """Refuse development defaults in production."""
+        if self.environment == "production" and (self.database_url is None or self.broker_url is None):
+            raise ValueError(
+                "production needs RLHF_DATABASE_URL and RLHF_BROKER_URL; the SQLite defaults are for one machine"
+            )
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
