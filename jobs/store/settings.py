@@ -21,6 +21,8 @@ class Settings(BaseSettings):
     """SQLAlchemy URL, e.g. ``postgresql+psycopg://user@host/db``; default: SQLite in ``data_dir``."""
     broker_url: str | None = None
     """Celery broker, e.g. ``redis://host:6379/0``; default: a SQLite-backed broker in ``data_dir``."""
+    result_backend_url: str | None = None
+    """Celery result backend, used only by generate requests; default: the Redis broker, or SQLite."""
     artifacts_dir: Path | None = None
     """Checkpoints and uploaded files (a shared volume when workers run on several machines); default
     ``data_dir/artifacts``."""
@@ -44,6 +46,14 @@ class Settings(BaseSettings):
     @property
     def resolved_broker_url(self) -> str:
         return self.broker_url or f"sqla+sqlite:///{(self.data_dir / 'broker.db').resolve()}"
+
+    @property
+    def resolved_result_backend(self) -> str:
+        if self.result_backend_url:
+            return self.result_backend_url
+        if self.broker_url and self.broker_url.startswith(("redis://", "rediss://")):
+            return self.broker_url
+        return f"db+sqlite:///{(self.data_dir / 'results.db').resolve()}"
 
     @property
     def resolved_artifacts_dir(self) -> Path:

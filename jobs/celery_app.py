@@ -1,0 +1,51 @@
+"""The Celery application (torch-free: the API imports it to enqueue tasks by name).
+
+Long jobs (DESIGN §2): acks late and rejected on a lost worker so a crash redelivers the task, one
+message prefetched per worker, results ignored for training (the jobs table is the truth), and a
+visibility timeout longer than any job so Redis never hands a running job to a second worker.
+"""
+
+import kombu.transport.sqlalchemy
+from celery import Celery
+
+from jobs.store.settings import Settings, get_settings
+
+TRAIN_QUEUE = "train"
+INFERENCE_QUEUE = "inference"
+RUN_JOB_TASK = "rlhf.run_job"
+GENERATE_TASK = "rlhf.generate"
+RECOVER_TASK = "rlhf.recover_expired"
+
+# kombu's SQLAlchemy transport passes transport options to create_engine(), so its polling interval
+# (1 s by default: a second of latency per message) is set on the transport class instead.
+kombu.transport.sqlalchemy.Transport.polling_interval = 0.1
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("rlhf", broker=settings.resolved_broker_url, backend=settings.resolved_result_backend)
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        task_default_queue=TRAIN_QUEUE,
+        task_routes={
+            RUN_JOB_TASK: {"queue": TRAIN_QUEUE},
+            RECOVER_TASK: {"queue": TRAIN_QUEUE},
+            GENERATE_TASK: {"queue": INFERENCE_QUEUE},
+        },
+        result_expires=3600,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+    )
+    if settings.resolved_broker_url.startswith(("redis://", "rediss://")):
+        timeout = {"visibility_timeout": settings.visibility_timeout_seconds}
+        app.conf.broker_transport_options = timeout
+        app.conf.result_backend_transport_options = timeout
+        app.conf.visibility_timeout = settings.visibility_timeout_seconds
+    return app
+
+
+celery_app = make_celery(get_settings())
