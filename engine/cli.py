@@ -122,34 +122,49 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="rlhf", description="Train language models from human feedback.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("demo", help="run the built-in SFT → RM → PPO pipeline and compare before/after")
+def add_demo_command(sub: argparse._SubParsersAction, name: str = "demo") -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help="run the built-in SFT → RM → PPO pipeline in-process and compare before/after")
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="folder for the three jobs (default runs/demo)")
     p.set_defaults(func=cmd_demo)
+    return p
 
-    p = sub.add_parser("train", help="run one job spec locally")
+
+def add_train_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("train", help="run one job spec locally, without a server")
     p.add_argument("spec", type=Path, help="job spec, .json or .yaml (the body of POST /v1/jobs)")
     p.add_argument("--out", type=Path, required=True, help="job folder: checkpoints and job.json; resumes if present")
     p.set_defaults(func=cmd_train)
+    return p
 
-    p = sub.add_parser("generate", help="sample completions from a model")
-    p.add_argument("--model", required=True, help="job folder, checkpoint folder, local model or hub id")
-    p.add_argument("--prompt", required=True, action="append", help="prompt text; repeat for several")
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_generate)
 
-    args = parser.parse_args(argv)
+
+def run_command(args: argparse.Namespace) -> None:
+    """Run a parsed command; errors of the user's making end in one line, not a traceback."""
     quiet_transformers()
     try:
         args.func(args)
-    except ValueError as e:  # bad model or dataset references, rows, sizes: one line, no traceback
+    except ValueError as e:  # bad model or dataset references, rows, sizes
         raise SystemExit(f"error: {e}") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The engine's own command line (``python -m engine.cli``); ``rlhf`` adds the service commands."""
+    parser = argparse.ArgumentParser(prog="python -m engine.cli", description="Train models from human feedback.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_demo_command(sub)
+    add_train_command(sub)
+    p = sub.add_parser("generate", help="sample completions from a model")
+    p.add_argument("--model", required=True, help="job folder, checkpoint folder, local model or hub id")
+    p.add_argument("--prompt", required=True, action="append", help="prompt text; repeat for several")
+    add_sampling_arguments(p)
+    p.set_defaults(func=cmd_generate)
+    run_command(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
