@@ -11,7 +11,7 @@ install:
 	$(PIP) install -q -e '.[dev]'
 
 demo: install
-	$(PYTHON) -m engine.cli demo --out runs/demo
+	$(PYTHON) -m jobs.cli demo
 
 test: install
 	$(PYTHON) -m pytest -q

@@ -215,7 +215,7 @@ class JobSpec(_Strict):
     """Held-out data of the same kind, for eval metrics."""
     reward_model: Annotated[str, Field(min_length=1, max_length=500)] | None = None
     """PPO only: a succeeded rm job, or any sequence-classification model."""
-    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+    hyperparameters: dict[str, Any] = Field(default_factory=dict, validate_default=True)
     """Type-specific settings (SFTConfig, RMConfig or PPOConfig); validated, defaults documented there."""
     lora: LoraSpec | None = None
     """Train low-rank adapters instead of all weights (null: full fine-tuning)."""

@@ -1,43 +1,17 @@
 """Datasets: loading and validating rows, tokenising them, and a resumable batch order."""
 
-import json
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine import builtin
-
-# Required string fields of a row, per dataset kind (DESIGN §2).
-ROW_FIELDS = {"sft": ("prompt", "completion"), "rm": ("prompt", "chosen", "rejected"), "ppo": ("prompt",)}
-
-
-class DatasetError(ValueError):
-    """A dataset reference names nothing readable, or a row is malformed."""
-
-
-def validate_row(row: object, kind: str, line: int) -> dict[str, str]:
-    """A row of ``kind``, or a DatasetError naming the line and the field."""
-    if not isinstance(row, dict):
-        raise DatasetError(f"line {line}: expected a JSON object, got {type(row).__name__}")
-    for field in ROW_FIELDS[kind]:
-        value = row.get(field)
-        if not isinstance(value, str) or not value:
-            raise DatasetError(f"line {line}: field {field!r} must be a non-empty string")
-    return {field: row[field] for field in ROW_FIELDS[kind]}
+from engine.rows import DatasetError, parse_line
 
 
 def parse_jsonl(lines: list[str], kind: str) -> list[dict[str, str]]:
     """Parse and validate JSONL text; blank lines are skipped, any bad line fails the whole file."""
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"line {number}: invalid JSON ({e.msg})") from None
-        rows.append(validate_row(row, kind, number))
+    rows = [parse_line(line, kind, number) for number, line in enumerate(lines, start=1) if line.strip()]
     if not rows:
         raise DatasetError("the dataset has no rows")
     return rows

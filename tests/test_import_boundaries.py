@@ -33,6 +33,13 @@ def test_api_and_jobs_do_not_import_torch_from_api() -> None:
     assert "api" not in modules_after_import("import jobs")
 
 
+def test_api_app_is_torch_free() -> None:
+    # The whole app: every router, the schemas, the Celery app it sends tasks with.
+    loaded = modules_after_import("import api.main")
+    assert {"fastapi", "celery", "sqlalchemy"} <= loaded  # the check is meaningful
+    assert not loaded & {"torch", "transformers", "numpy"}
+
+
 def test_engine_reads_no_environment() -> None:
     offenders = []
     for path in sorted((ROOT / "engine").rglob("*.py")):

@@ -54,6 +54,15 @@ def create_api_key(session: Session, *, project_id: str, name: str) -> tuple[Api
     return row, key
 
 
+def any_project(session: Session) -> bool:
+    return session.scalars(select(Project.id).limit(1)).first() is not None
+
+
+def project_by_name(session: Session, *, name: str) -> Project | None:
+    """The oldest project of that name."""
+    return session.scalars(select(Project).where(Project.name == name).order_by(Project.created_at)).first()
+
+
 def project_for_key(session: Session, *, key: str) -> Project | None:
     stmt = (
         select(Project)
@@ -318,3 +327,8 @@ def metrics_after(session: Session, *, job_id: str, after: int, limit: int) -> l
     """Metric rows in insertion order after row id ``after`` (the SSE stream's cursor)."""
     stmt = select(Metric).where(Metric.job_id == job_id, Metric.id > after).order_by(Metric.id).limit(limit)
     return list(session.scalars(stmt))
+
+
+def set_job_progress(session: Session, *, job_id: str, step: int, total_steps: int) -> None:
+    """A worker starts (or resumes) a job at ``step`` of ``total_steps``."""
+    session.execute(update(Job).where(Job.id == job_id).values(step=step, total_steps=total_steps))

@@ -36,6 +36,10 @@ class Settings(BaseSettings):
     """Checkpoints an inference worker keeps loaded (least recently used are evicted)."""
     max_upload_bytes: int = 200 * 1024 * 1024
     """Largest accepted dataset file."""
+    url: str | None = None
+    """Server URL for the ``rlhf`` client commands; default: the one ``rlhf serve`` wrote in ``data_dir``."""
+    api_key: str | None = None
+    """API key for the client commands; default: ``data_dir/api-key``."""
     visibility_timeout_seconds: int = 7 * 24 * 3600
     """Redis visibility timeout: longer than any job, so a running job is never redelivered."""
 

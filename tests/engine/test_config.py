@@ -235,3 +235,8 @@ def test_spec_json_round_trip():
     assert again == spec
     assert again.config.adam_betas == (0.8, 0.9)
     assert again.lora is not None and again.lora.r == 4 and again.lora.alpha == 16
+
+
+def test_hyperparameter_defaults_are_filled_in_when_omitted() -> None:
+    spec = JobSpec.model_validate({"type": "sft", "model": "builtin:tiny", "dataset": "builtin:reviews-sft"})
+    assert spec.hyperparameters == SFTConfig().model_dump(mode="json")

@@ -1,0 +1,150 @@
+"""One error envelope for every failure: ``{"error": {"code", "message", "param"}}`` (DESIGN §4).
+
+Routes raise :class:`ApiError`; the handlers installed by :func:`install_error_handlers` also turn
+request validation errors, Starlette's HTTP errors and unexpected exceptions into the envelope.
+"""
+
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.config import HYPERPARAMETERS, JobSpec, format_errors
+
+logger = logging.getLogger(__name__)
+
+# Locations FastAPI puts first in a validation error's ``loc``; the param names the field without them.
+_LOCATIONS = ("body", "query", "path", "header", "cookie")
+_CODES = {
+    400: "bad_request",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "file_too_large",
+    422: "invalid_request",
+    503: "unavailable",
+}
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    """Machine-readable reason, e.g. ``not_found``, ``invalid_request``, ``job_not_succeeded``."""
+    message: str
+    """What went wrong, for people."""
+    param: str | None = None
+    """The request field at fault, as a dotted path (e.g. ``hyperparameters.learning_rate``), if any."""
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    """An error answered with the envelope: ``raise ApiError(404, "not_found", "no job 'job_x'")``."""
+
+    def __init__(
+        self, status_code: int, code: str, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.code = code
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+
+def not_found(kind: str, object_id: str) -> ApiError:
+    return ApiError(404, "not_found", f"no {kind} {object_id!r} in this project", param=None)
+
+
+def error_response(
+    status_code: int, code: str, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    body = ErrorResponse(error=ErrorDetail(code=code, message=message, param=param))
+    return JSONResponse(body.model_dump(), status_code=status_code, headers=headers)
+
+
+def dotted(loc: Sequence[int | str]) -> str | None:
+    """``("body", "hyperparameters", "lr")`` → ``"hyperparameters.lr"``; None for an empty location."""
+    parts = list(loc)
+    if parts and parts[0] in _LOCATIONS:
+        parts = parts[1:]
+    return ".".join(map(str, parts)) or None
+
+
+def _message(errors: Sequence[Any]) -> str:
+    parts = []
+    for e in errors:
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        where = dotted(e.get("loc", ()))
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts) or "invalid request"
+
+
+def _leading_field(message: str, fields: Sequence[str]) -> str | None:
+    """The field a model-level validator's message starts with ("batch_size (6) must be …" → batch_size)."""
+    match = re.match(r"[A-Za-z_]+", message.removeprefix("Value error, "))
+    return match.group(0) if match and match.group(0) in fields else None
+
+
+def spec_error(error: ValidationError, body: dict[str, Any]) -> ApiError:
+    """A 422 for a job spec that failed ``JobSpec.model_validate``, whose ``param`` names the field.
+
+    JobSpec validates ``hyperparameters`` as one field and flattens the nested errors into one message,
+    so the nested config is validated again here to name the exact hyperparameter.
+    """
+    first = error.errors(include_url=False)[0]
+    loc: tuple[int | str, ...] = tuple(first["loc"])
+    if not loc:  # a model-level check, e.g. "reward_model is required for ppo jobs"
+        field = _leading_field(first["msg"], list(JobSpec.model_fields))
+        loc = (field,) if field else ()
+    elif loc == ("hyperparameters",) and body.get("type") in HYPERPARAMETERS:
+        config = HYPERPARAMETERS[body["type"]]
+        try:
+            config.model_validate(body.get("hyperparameters"))
+        except ValidationError as nested:
+            inner = nested.errors(include_url=False)[0]
+            inner_loc = tuple(inner["loc"])
+            if not inner_loc:
+                field = _leading_field(inner["msg"], list(config.model_fields))
+                inner_loc = (field,) if field else ()
+            loc = ("hyperparameters", *inner_loc)
+    message = format_errors(error).replace("\n", "; ")
+    return ApiError(422, "invalid_request", message, param=dotted(loc))
+
+
+async def _api_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return error_response(exc.status_code, exc.code, exc.message, exc.param, exc.headers)
+
+
+async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    param = dotted(errors[0].get("loc", ())) if errors else None
+    return error_response(422, "invalid_request", _message(errors), param)
+
+
+async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = _CODES.get(exc.status_code, "error")
+    return error_response(exc.status_code, code, str(exc.detail), None, dict(exc.headers or {}))
+
+
+async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error", exc_info=exc)
+    return error_response(500, "internal_error", "internal server error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

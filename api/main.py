@@ -1,0 +1,112 @@
+"""The FastAPI application: ``create_app(settings)`` and the module-level ``app`` that ``uvicorn api.main:app``
+serves. Creating the app touches neither the database nor the broker."""
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from api.deps import Enqueue, Generate
+from api.errors import ErrorResponse, install_error_handlers
+from api.queue import celery_enqueue, celery_generate
+from api.recovery import RecoveryThread
+from api.routes import files, generate, health, jobs, stream
+from api.uploads import UploadSizeLimit
+from engine.config import JobSpec
+from jobs.celery_app import celery_app, make_celery
+from jobs.store.settings import Settings, get_settings
+
+DESCRIPTION = """Train language models from human feedback: supervised fine-tuning (`sft`), reward models (`rm`)
+and PPO (`ppo`). Upload JSONL datasets, create jobs, follow their metrics live, and sample from any checkpoint.
+
+Every request under `/v1` needs `Authorization: Bearer <key>`. Errors answer
+`{"error": {"code", "message", "param"}}`."""
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    enqueue: Enqueue | None = None,
+    generate_with: Generate | None = None,
+    recovery_interval: float | None = 30.0,
+    poll_interval: float = 0.5,
+    heartbeat_interval: float = 15.0,
+    generate_timeout: float = 120.0,
+    generate_concurrency: int = 32,
+) -> FastAPI:
+    """The API for ``settings`` (default: from the ``RLHF_*`` environment).
+
+    ``enqueue`` and ``generate_with`` replace the Celery calls (tests); ``recovery_interval`` None turns off
+    the periodic recovery of expired leases; ``poll_interval`` and ``heartbeat_interval`` pace the SSE
+    stream; ``generate_timeout`` bounds the wait for an inference worker.
+    """
+    if settings is None:
+        settings = get_settings()
+    celery = celery_app if settings is get_settings() else make_celery(settings)
+    enqueue = enqueue or celery_enqueue(celery)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings.check()
+        recovery = None
+        if recovery_interval is not None:
+            recovery = RecoveryThread(settings, enqueue, recovery_interval)
+            recovery.start()
+        try:
+            yield
+        finally:
+            if recovery is not None:
+                recovery.stop()
+
+    app = FastAPI(
+        title="rlhf-server",
+        version="0.1.0",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.celery = celery
+    app.state.enqueue = enqueue
+    app.state.generate = generate_with or celery_generate(celery, generate_timeout)
+    app.state.generate_limiter = anyio.CapacityLimiter(generate_concurrency)
+    app.state.poll_interval = poll_interval
+    app.state.heartbeat_interval = heartbeat_interval
+    install_error_handlers(app)
+    app.add_middleware(UploadSizeLimit, path="/v1/files", max_bytes=settings.max_upload_bytes)
+
+    v1 = APIRouter(
+        prefix="/v1",
+        responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}},
+    )
+    for module in (files, jobs, stream, generate):
+        v1.include_router(module.router)
+    app.include_router(v1)
+    app.include_router(health.router)
+    app.openapi = _openapi_with_job_spec(app)  # type: ignore[method-assign]
+    return app
+
+
+def _openapi_with_job_spec(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """OpenAPI generation that documents ``POST /v1/jobs``'s body as ``JobSpec`` (the route validates it
+    itself, to name the exact field of a bad spec)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(spec_schema.pop("$defs", {}))
+        components["JobSpec"] = spec_schema
+        body = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]
+        body["schema"] = {"$ref": "#/components/schemas/JobSpec"}
+        app.openapi_schema = schema
+        return schema
+
+    return openapi
+
+
+app = create_app()

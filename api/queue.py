@@ -1,0 +1,47 @@
+"""How the API talks to the workers: Celery tasks sent by name (never imported), after the commit."""
+
+import logging
+from typing import Any
+
+from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+from kombu.exceptions import OperationalError
+
+from api.deps import Enqueue, Generate
+from api.errors import ApiError
+from jobs.celery_app import GENERATE_TASK, INFERENCE_QUEUE, RUN_JOB_TASK
+
+logger = logging.getLogger(__name__)
+
+
+def celery_enqueue(celery: Celery) -> Enqueue:
+    def enqueue(job_id: str) -> None:
+        celery.send_task(RUN_JOB_TASK, args=[job_id])  # routed to the train queue
+
+    return enqueue
+
+
+def celery_generate(celery: Celery, timeout: float) -> Generate:
+    """Send the generate task to the inference queue and wait up to ``timeout`` seconds for its result."""
+
+    def generate(kwargs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            result = celery.send_task(GENERATE_TASK, kwargs=kwargs, queue=INFERENCE_QUEUE, expires=timeout)
+        except OperationalError as e:
+            raise ApiError(503, "unavailable", f"the broker is unreachable: {e}") from e
+        try:
+            answer: dict[str, Any] = result.get(timeout=timeout)
+        except CeleryTimeoutError:
+            # expires= makes a worker that picks the message up later drop it.
+            raise ApiError(503, "unavailable", f"no inference worker answered within {timeout:g} s") from None
+        finally:
+            result.forget()
+        return answer
+
+    return generate
+
+
+def check_broker(celery: Celery, timeout: float = 2.0) -> None:
+    """Raise if the broker cannot be reached within about ``timeout`` seconds."""
+    with celery.connection_for_write() as connection:
+        connection.ensure_connection(max_retries=1, interval_start=0, interval_step=0.2, timeout=timeout)

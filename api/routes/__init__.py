@@ -1,0 +1,1 @@
+"""Thin routers, one module per resource; data access lives in ``jobs.store.crud``."""

@@ -1,0 +1,104 @@
+"""``/v1/files``: JSONL datasets, validated in full before anything is stored."""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Annotated, BinaryIO
+
+from fastapi import APIRouter, File, Form, Query, UploadFile
+
+from api.datasets import InvalidFile, count_rows
+from api.deps import CurrentProject, SessionDep, SettingsDep
+from api.errors import ApiError, not_found
+from api.schemas import FilePublic, FilesPublic, Purpose
+from jobs.store import crud
+
+router = APIRouter(prefix="/files", tags=["files"])
+
+
+@router.post("", status_code=201)
+def upload_file(
+    session: SessionDep,
+    settings: SettingsDep,
+    project: CurrentProject,
+    file: Annotated[UploadFile, File(description="JSONL, one JSON object per line (blank lines are skipped).")],
+    purpose: Annotated[
+        Purpose,
+        Form(description="Row kind: `sft` {prompt, completion}, `rm` {prompt, chosen, rejected}, `ppo` {prompt}."),
+    ],
+) -> FilePublic:
+    """Upload a dataset. A bad line is rejected with its number (422 ``invalid_file``); nothing partial is kept."""
+    stream = file.file
+    size = stream.seek(0, os.SEEK_END)
+    stream.seek(0)
+    if size > settings.max_upload_bytes:
+        raise ApiError(
+            413, "file_too_large", f"the file has {size} bytes; the limit is {settings.max_upload_bytes}", param="file"
+        )
+    try:
+        rows = count_rows(stream, purpose)
+    except InvalidFile as e:
+        raise ApiError(422, "invalid_file", str(e), param="file") from None
+    stream.seek(0)
+
+    file_id = crud.new_id("file-")
+    relative = Path("files") / f"{file_id}.jsonl"
+    target = settings.resolved_artifacts_dir / relative
+    _write_atomically(stream, target)
+    try:
+        row = crud.create_file(
+            session,
+            file_id=file_id,
+            project_id=project.id,
+            filename=_filename(file.filename),
+            purpose=purpose,
+            size=size,
+            rows=rows,
+            path=relative.as_posix(),
+        )
+        session.commit()
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
+    return FilePublic.of(row)
+
+
+@router.get("")
+def list_files(
+    session: SessionDep,
+    project: CurrentProject,
+    after: Annotated[str | None, Query(description="Id of the last file of the previous page.")] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> FilesPublic:
+    """The project's files, newest first."""
+    rows, has_more = crud.list_files(session, project_id=project.id, after=after, limit=limit)
+    return FilesPublic(data=[FilePublic.of(row) for row in rows], has_more=has_more)
+
+
+@router.get("/{file_id}")
+def get_file(session: SessionDep, project: CurrentProject, file_id: str) -> FilePublic:
+    row = crud.get_file(session, file_id=file_id, project_id=project.id)
+    if row is None:
+        raise not_found("file", file_id)
+    return FilePublic.of(row)
+
+
+def _filename(name: str | None) -> str:
+    base = (name or "").replace("\\", "/").rsplit("/", 1)[-1]
+    return base[:255] or "upload.jsonl"
+
+
+def _write_atomically(stream: BinaryIO, target: Path) -> None:
+    """Copy to a temporary file beside ``target`` and rename it into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            shutil.copyfileobj(stream, out, 1024 * 1024)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise

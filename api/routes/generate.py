@@ -1,0 +1,83 @@
+"""``POST /v1/jobs/{id}/generate``: sample from any checkpoint of a job, on the inference queue."""
+
+import logging
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from sqlalchemy.orm import Session
+
+from api.deps import CurrentProject, GenerateDep, SessionDep
+from api.errors import ApiError, ErrorResponse
+from api.routes.jobs import job_or_404
+from api.schemas import GenerateRequest, GenerateResponse
+from jobs.store import crud
+from jobs.store.models import Project
+
+logger = logging.getLogger(__name__)
+router = APIRouter(prefix="/jobs", tags=["generation"])
+
+
+def _checkpoint_step(session: Session, project: Project, job_id: str, body: GenerateRequest) -> int:
+    job = job_or_404(session, project, job_id)
+    if job.type == "rm":
+        raise ApiError(
+            422,
+            "wrong_job_type",
+            f"job {job.id} trains a reward model: it scores text but does not "
+            "generate it; generate from an sft or ppo job",
+        )
+    if body.score and job.type != "ppo":
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"job {job.id} is an {job.type} job; only ppo jobs have a reward model to score with",
+            param="score",
+        )
+    step = None if body.checkpoint == "latest" else body.checkpoint
+    checkpoint = crud.get_checkpoint(session, job_id=job.id, step=step)
+    if checkpoint is None:
+        which = "any checkpoint" if step is None else f"a checkpoint at step {step}"
+        raise ApiError(404, "checkpoint_not_found", f"job {job.id} has no {which}", param="checkpoint")
+    session.close()  # release the connection before the (long) wait
+    return checkpoint.step
+
+
+@router.post(
+    "/{job_id}/generate",
+    response_model_exclude_none=True,
+    responses={
+        404: {"model": ErrorResponse, "description": "No such job, or no such checkpoint."},
+        503: {"model": ErrorResponse, "description": "No inference worker answered in time."},
+    },
+)
+async def generate(
+    request: Request,
+    session: SessionDep,
+    project: CurrentProject,
+    wait_for: GenerateDep,
+    job_id: str,
+    body: GenerateRequest,
+) -> GenerateResponse:
+    """Complete prompts with a checkpoint of the job (``latest`` by default), optionally scored by the job's
+    reward model. Runs on an inference worker; this request waits for it."""
+    step = await anyio.to_thread.run_sync(_checkpoint_step, session, project, job_id, body)
+    kwargs: dict[str, Any] = {
+        "job_id": job_id,
+        "step": step,
+        "prompts": body.prompts,
+        "max_new_tokens": body.max_new_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "seed": body.seed,
+        "score": body.score,
+    }
+    # The blocking wait runs on its own limiter, so slow generations cannot starve the other routes' threads.
+    try:
+        result = await anyio.to_thread.run_sync(wait_for, kwargs, limiter=request.app.state.generate_limiter)
+    except ApiError:
+        raise
+    except Exception as e:
+        logger.exception("generation failed for job %s step %s", job_id, step)
+        raise ApiError(500, "generation_failed", f"generation failed: {e}") from e
+    return GenerateResponse(checkpoint=step, completions=result["completions"])

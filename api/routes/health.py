@@ -1,0 +1,39 @@
+"""``/healthz`` (the process answers) and ``/readyz`` (the database and the broker answer)."""
+
+import logging
+
+from fastapi import APIRouter, Request
+from sqlalchemy import text
+
+from api.deps import SettingsDep
+from api.errors import ApiError, ErrorResponse
+from api.queue import check_broker
+from api.schemas import Health, Readiness
+from jobs.store.db import engine_for
+
+logger = logging.getLogger(__name__)
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz() -> Health:
+    return Health()
+
+
+@router.get("/readyz", responses={503: {"model": ErrorResponse, "description": "`param` names what failed."}})
+def readyz(request: Request, settings: SettingsDep) -> Readiness:
+    failures: dict[str, str] = {}
+    try:
+        with engine_for(settings.resolved_database_url).connect() as connection:
+            connection.execute(text("SELECT 1"))
+    except Exception as e:
+        failures["database"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+    try:
+        check_broker(request.app.state.celery)
+    except Exception as e:
+        failures["broker"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if failures:
+        logger.warning("not ready: %s", failures)
+        message = "not ready: " + "; ".join(f"{name}: {reason}" for name, reason in failures.items())
+        raise ApiError(503, "unavailable", message, param=",".join(failures))
+    return Readiness(checks={"database": "ok", "broker": "ok"})

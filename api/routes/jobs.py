@@ -1,0 +1,281 @@
+"""``/v1/jobs``: create (validated in full, enqueued after commit), list, get, control, and history."""
+
+import logging
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Header, Query, Response
+from pydantic import ValidationError
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.deps import CurrentProject, EnqueueDep, SessionDep, SettingsDep
+from api.errors import ApiError, ErrorResponse, not_found, spec_error
+from api.schemas import (
+    CheckpointPublic,
+    CheckpointsPublic,
+    EventPublic,
+    EventsPublic,
+    JobPublic,
+    JobsPublic,
+    JobStatus,
+    JobType,
+    MetricPoint,
+    MetricsPublic,
+)
+from engine.config import JobSpec
+from jobs.store import crud
+from jobs.store.models import FINAL_STATUSES, Job, Project, utcnow
+from jobs.store.refs import SpecReferenceError, resolve_spec
+
+logger = logging.getLogger(__name__)
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+SPEC_EXAMPLES: dict[str, Any] = {
+    "sft": {
+        "summary": "Supervised fine-tuning of the built-in model",
+        "value": {"type": "sft", "name": "reviews-sft", "model": "builtin:tiny", "dataset": "builtin:reviews-sft",
+                  "eval_dataset": "builtin:reviews-sft-eval", "hyperparameters": {"epochs": 3, "batch_size": 32}},
+    },
+    "rm": {
+        "summary": "Reward model from a finished SFT job, on an uploaded preference file",
+        "value": {"type": "rm", "model": "job:job_0123456789ab", "dataset": "file-0123456789ab",
+                  "hyperparameters": {"epochs": 1, "learning_rate": 5e-4}},
+    },
+    "ppo": {
+        "summary": "PPO from an SFT job against an RM job, with LoRA",
+        "value": {"type": "ppo", "model": "job:job_0123456789ab", "reward_model": "job:job_ba9876543210",
+                  "dataset": "builtin:reviews-prompts", "hyperparameters": {"total_steps": 20, "kl_coef": 0.05},
+                  "lora": {"r": 8, "alpha": 16}, "checkpoint_every": 10, "metadata": {"experiment": "demo"}},
+    },
+}  # fmt: skip
+
+
+def job_or_404(session: Session, project: Project, job_id: str) -> Job:
+    job = crud.get_job(session, job_id=job_id, project_id=project.id)
+    if job is None:
+        raise not_found("job", job_id)
+    return job
+
+
+# --- create, list, get -------------------------------------------------------------------------
+
+
+@router.post(
+    "",
+    status_code=201,
+    responses={
+        200: {"model": JobPublic, "description": "The job an earlier request with this Idempotency-Key created."},
+        409: {"model": ErrorResponse, "description": "The Idempotency-Key was used with a different spec."},
+    },
+)
+def create_job(
+    session: SessionDep,
+    settings: SettingsDep,
+    project: CurrentProject,
+    enqueue: EnqueueDep,
+    response: Response,
+    body: Annotated[dict[str, Any], Body(description="A job spec (schema JobSpec).", openapi_examples=SPEC_EXAMPLES)],
+    idempotency_key: Annotated[
+        str | None,
+        Header(alias="Idempotency-Key", max_length=255, description="Retrying with the same key returns the same job."),
+    ] = None,
+) -> JobPublic:
+    """Validate a job spec in full (fields, ranges, references to jobs and files), store it and queue it.
+
+    A 422 names the field at fault in ``param``. The job is sent to the train queue only once it is committed.
+    """
+    try:
+        # Hyperparameter defaults are filled in, so equal specs are stored equal (idempotency compares them).
+        spec = JobSpec.model_validate(body).model_dump(mode="json")
+    except ValidationError as e:
+        raise spec_error(e, body) from None
+    try:
+        resolve_spec(
+            session,
+            project_id=project.id,
+            spec=spec,
+            artifacts=settings.resolved_artifacts_dir,
+            model_root=settings.model_root,
+        )
+    except SpecReferenceError as e:
+        raise ApiError(422, e.code, e.message, param=e.param) from None
+
+    job, created = _create_or_replay(session, project.id, spec, idempotency_key)
+    if not created:
+        if job.spec != spec:
+            raise ApiError(
+                409,
+                "conflict",
+                "this Idempotency-Key was already used with a different job spec",
+                param="Idempotency-Key",
+            )
+        response.status_code = 200
+        return JobPublic.of(job)
+    session.commit()
+    try:
+        enqueue(job.id)
+    except Exception as e:
+        logger.exception("could not enqueue job %s", job.id)
+        crud.transition(
+            session,
+            job_id=job.id,
+            from_statuses=("queued",),
+            to="failed",
+            finished_at=utcnow(),
+            error_code="enqueue_failed",
+            error_message=f"the job could not be queued: {e}",
+        )
+        session.commit()
+        raise ApiError(503, "unavailable", f"the job {job.id} was stored but could not be queued: {e}") from e
+    return JobPublic.of(job)
+
+
+def _create_or_replay(
+    session: Session, project_id: str, spec: dict[str, Any], idempotency_key: str | None
+) -> tuple[Job, bool]:
+    try:
+        return crud.create_job(session, project_id=project_id, spec=spec, idempotency_key=idempotency_key)
+    except IntegrityError:
+        if idempotency_key is None:
+            raise
+        # A concurrent request with the same key won the insert; answer with its job.
+        session.rollback()
+        return crud.create_job(session, project_id=project_id, spec=spec, idempotency_key=idempotency_key)
+
+
+@router.get("")
+def list_jobs(
+    session: SessionDep,
+    project: CurrentProject,
+    status: JobStatus | None = None,
+    type: JobType | None = None,
+    after: Annotated[str | None, Query(description="Id of the last job of the previous page.")] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> JobsPublic:
+    """The project's jobs, newest first."""
+    rows, has_more = crud.list_jobs(
+        session, project_id=project.id, status=status, job_type=type, after=after, limit=limit
+    )
+    return JobsPublic(data=[JobPublic.of(job) for job in rows], has_more=has_more)
+
+
+@router.get("/{job_id}")
+def get_job(session: SessionDep, project: CurrentProject, job_id: str) -> JobPublic:
+    return JobPublic.of(job_or_404(session, project, job_id))
+
+
+# --- cancel, pause, resume ---------------------------------------------------------------------
+
+# Per action: (from statuses, to status) moves, tried in order; and the statuses that already answer it.
+_MOVES: dict[str, list[tuple[tuple[str, ...], str]]] = {
+    "cancel": [(("queued", "paused"), "cancelled"), (("running", "pausing"), "cancelling")],
+    "pause": [(("running",), "pausing"), (("queued",), "paused")],
+    "resume": [(("paused",), "queued")],
+}
+_ALREADY = {"cancel": ("cancelling",), "pause": ("pausing", "paused"), "resume": ()}
+
+
+def _control(session: Session, job: Job, action: str) -> str | None:
+    """Apply ``action`` with guarded transitions; the new status, or None when it was already under way.
+
+    Retries when a worker changed the status between the read and the update; 409 when the status does
+    not allow the action.
+    """
+    for _ in range(3):
+        for from_statuses, to in _MOVES[action]:
+            extra = {"finished_at": utcnow(), "worker": None, "lease_until": None} if to in FINAL_STATUSES else {}
+            if crud.transition(session, job_id=job.id, from_statuses=from_statuses, to=to, **extra):
+                return to
+        session.refresh(job)
+        if job.status in _ALREADY[action]:
+            return None
+        if not any(job.status in from_statuses for from_statuses, _ in _MOVES[action]):
+            break
+    raise ApiError(409, "conflict", f"cannot {action} job {job.id}: it is {job.status}")
+
+
+@router.post("/{job_id}/cancel", responses={409: {"model": ErrorResponse}})
+def cancel_job(session: SessionDep, project: CurrentProject, job_id: str) -> JobPublic:
+    """Cancel: a queued or paused job at once; a running one cooperatively (``cancelling`` until its worker
+    stops between steps). 409 once the job is final."""
+    job = job_or_404(session, project, job_id)
+    _control(session, job, "cancel")
+    session.commit()
+    session.refresh(job)
+    return JobPublic.of(job)
+
+
+@router.post("/{job_id}/pause", responses={409: {"model": ErrorResponse}})
+def pause_job(session: SessionDep, project: CurrentProject, job_id: str) -> JobPublic:
+    """Pause: a running job saves a checkpoint between steps and stops (``pausing`` → ``paused``); a queued
+    job is paused before it starts."""
+    job = job_or_404(session, project, job_id)
+    _control(session, job, "pause")
+    session.commit()
+    session.refresh(job)
+    return JobPublic.of(job)
+
+
+@router.post("/{job_id}/resume", responses={409: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
+def resume_job(session: SessionDep, project: CurrentProject, enqueue: EnqueueDep, job_id: str) -> JobPublic:
+    """Resume a paused job: it is queued again and continues from its last checkpoint."""
+    job = job_or_404(session, project, job_id)
+    _control(session, job, "resume")
+    session.commit()
+    try:
+        enqueue(job.id)
+    except Exception as e:
+        logger.exception("could not enqueue job %s", job.id)
+        crud.transition(session, job_id=job.id, from_statuses=("queued",), to="paused")
+        session.commit()
+        raise ApiError(503, "unavailable", f"the job could not be queued, it stays paused: {e}") from e
+    session.refresh(job)
+    return JobPublic.of(job)
+
+
+# --- history -----------------------------------------------------------------------------------
+
+
+@router.get("/{job_id}/metrics")
+def job_metrics(
+    session: SessionDep,
+    project: CurrentProject,
+    job_id: str,
+    names: Annotated[
+        str | None, Query(description="Comma-separated metric names; all when absent.", examples=["loss/sft,lr"])
+    ] = None,
+    start_step: Annotated[int | None, Query(ge=0)] = None,
+    end_step: Annotated[int | None, Query(ge=0)] = None,
+    max_points: Annotated[
+        int | None, Query(ge=1, le=100_000, description="Even downsampling per series, keeping first and last.")
+    ] = None,
+) -> MetricsPublic:
+    job = job_or_404(session, project, job_id)
+    wanted = [name.strip() for name in names.split(",") if name.strip()] if names else None
+    series = crud.metric_history(
+        session, job_id=job.id, names=wanted, start_step=start_step, end_step=end_step, max_points=max_points
+    )
+    return MetricsPublic(
+        data={name: [MetricPoint(step=step, value=value) for step, value in points] for name, points in series.items()}
+    )
+
+
+@router.get("/{job_id}/events")
+def job_events(
+    session: SessionDep,
+    project: CurrentProject,
+    job_id: str,
+    after: Annotated[int | None, Query(ge=0, description="Id of the last event already seen.")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> EventsPublic:
+    """Status changes, checkpoints, warnings and errors, oldest first."""
+    job = job_or_404(session, project, job_id)
+    rows, has_more = crud.list_events(session, job_id=job.id, after=after, limit=limit)
+    return EventsPublic(data=[EventPublic.of(row) for row in rows], has_more=has_more)
+
+
+@router.get("/{job_id}/checkpoints")
+def job_checkpoints(session: SessionDep, project: CurrentProject, job_id: str) -> CheckpointsPublic:
+    """The job's kept checkpoints, by step."""
+    job = job_or_404(session, project, job_id)
+    return CheckpointsPublic(data=[CheckpointPublic.of(row) for row in crud.list_checkpoints(session, job_id=job.id)])

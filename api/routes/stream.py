@@ -1,0 +1,182 @@
+"""``GET /v1/jobs/{id}/stream``: live metrics, events and status as Server-Sent Events.
+
+Each poll opens a short session of its own (the stream holds no connection in between). Every message
+carries the cursor ``<last metric row id>-<last event row id>`` as its ``id:``; a client reconnecting with
+``Last-Event-ID`` resumes right after it, with nothing lost or repeated. Messages:
+
+- ``status``: ``{status, step, error}``, first on every connection, then whenever the status changes;
+- ``metrics``: ``{step, metrics: {name: value}}``, one per step, in the order the rows were written;
+- ``event``: an events row ``{id, kind, message, data, created_at}``;
+- ``end``: ``{status}``, once the job is final and everything before it was sent; then the stream closes.
+
+A comment line (``: keep-alive``) goes out when nothing else was sent for ``heartbeat_interval`` seconds.
+"""
+
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import StreamingResponse
+
+from api.deps import CurrentProject, SessionDep, SettingsDep
+from api.errors import ApiError
+from api.routes.jobs import job_or_404
+from api.schemas import EventPublic
+from jobs.store import crud
+from jobs.store.db import session_scope
+from jobs.store.models import FINAL_STATUSES
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+METRIC_BATCH = 2000
+"""Metric rows read per poll at most."""
+EVENT_BATCH = 500
+"""Event rows read per poll at most."""
+
+
+@dataclass(frozen=True)
+class Cursor:
+    metric_id: int = 0
+    event_id: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.metric_id}-{self.event_id}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Cursor":
+        metric_id, _, event_id = text.strip().partition("-")
+        if not (metric_id.isdigit() and event_id.isdigit()):
+            raise ValueError(text)
+        return cls(int(metric_id), int(event_id))
+
+
+@dataclass
+class Poll:
+    """What one poll of the database found (plain data: the session is closed by then)."""
+
+    status: str | None
+    """None when the job is gone."""
+    step: int = 0
+    error: dict[str, str] | None = None
+    metric_groups: list[tuple[int, int, dict[str, float]]] = field(default_factory=list)
+    """(last row id, step, {name: value}) per run of consecutive rows of one step."""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    more: bool = False
+    """A batch was full: poll again at once."""
+
+
+def poll(database_url: str, job_id: str, cursor: Cursor) -> Poll:
+    with session_scope(database_url) as session:
+        # The status is read first: once it is final, the rows read after it are all there will be.
+        job = crud.get_job(session, job_id=job_id)
+        if job is None:
+            return Poll(status=None)
+        error = {"code": job.error_code, "message": job.error_message or ""} if job.error_code else None
+        found = Poll(status=job.status, step=job.step, error=error)
+        rows = crud.metrics_after(session, job_id=job_id, after=cursor.metric_id, limit=METRIC_BATCH)
+        for row in rows:
+            if found.metric_groups and found.metric_groups[-1][1] == row.step:
+                _, step, values = found.metric_groups[-1]
+                found.metric_groups[-1] = (row.id, step, {**values, row.name: row.value})
+            else:
+                found.metric_groups.append((row.id, row.step, {row.name: row.value}))
+        if len(rows) == METRIC_BATCH:
+            found.more = True
+            if len(found.metric_groups) > 1:  # the last step may continue in the next batch: send it whole then
+                found.metric_groups.pop()
+        events, more_events = crud.list_events(session, job_id=job_id, after=cursor.event_id, limit=EVENT_BATCH)
+        found.events = [EventPublic.of(row).model_dump(mode="json") for row in events]
+        found.more = found.more or more_events
+        return found
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN and infinities (a diverged loss) as null, as in the JSON responses."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def sse(event: str, data: Any, cursor: Cursor) -> str:
+    payload = json.dumps(_json_safe(data), separators=(",", ":"), allow_nan=False)
+    return f"id: {cursor}\nevent: {event}\ndata: {payload}\n\n"
+
+
+async def job_events(
+    database_url: str, job_id: str, cursor: Cursor, poll_interval: float, heartbeat_interval: float
+) -> AsyncIterator[str]:
+    status: str | None = None
+    last_sent = time.monotonic()
+    while True:
+        found = await anyio.to_thread.run_sync(poll, database_url, job_id, cursor)
+        if found.status is None:
+            yield sse("end", {"status": None}, cursor)
+            return
+        messages = []
+        if status is None:  # the first message of a connection: the current status
+            status = found.status
+            messages.append(sse("status", {"status": status, "step": found.step, "error": found.error}, cursor))
+        for last_id, step, values in found.metric_groups:
+            cursor = Cursor(last_id, cursor.event_id)
+            messages.append(sse("metrics", {"step": step, "metrics": values}, cursor))
+        for event in found.events:
+            cursor = Cursor(cursor.metric_id, event["id"])
+            messages.append(sse("event", event, cursor))
+        if found.status != status:
+            status = found.status
+            messages.append(sse("status", {"status": status, "step": found.step, "error": found.error}, cursor))
+        finished = found.status in FINAL_STATUSES and not found.more
+        if finished:
+            messages.append(sse("end", {"status": status}, cursor))
+        if messages:
+            yield "".join(messages)
+            last_sent = time.monotonic()
+        if finished:
+            return
+        if found.more:
+            continue
+        if time.monotonic() - last_sent >= heartbeat_interval:
+            yield ": keep-alive\n\n"
+            last_sent = time.monotonic()
+        await anyio.sleep(poll_interval)
+
+
+@router.get(
+    "/{job_id}/stream",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events until the job ends."}},
+)
+def stream_job(
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    project: CurrentProject,
+    job_id: str,
+    last_event_id_header: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+    last_event_id: Annotated[
+        str | None, Query(description="Resume after this cursor (the Last-Event-ID header wins when both are sent).")
+    ] = None,
+) -> StreamingResponse:
+    """Stream the job's metrics, events and status changes until it is final (``event: end``)."""
+    job = job_or_404(session, project, job_id)
+    resume_from = last_event_id_header or last_event_id
+    try:
+        cursor = Cursor.parse(resume_from) if resume_from else Cursor()
+    except ValueError:
+        param = "Last-Event-ID" if last_event_id_header else "last_event_id"
+        raise ApiError(
+            422, "invalid_request", f"not a stream cursor: {resume_from!r} (expected '<n>-<m>')", param=param
+        ) from None
+    state = request.app.state
+    body = job_events(settings.resolved_database_url, job.id, cursor, state.poll_interval, state.heartbeat_interval)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(body, media_type="text/event-stream", headers=headers)

@@ -1,0 +1,213 @@
+"""Request and response bodies of the HTTP API (DESIGN §4). Job specs are ``engine.config.JobSpec``."""
+
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from jobs.store.models import Checkpoint, Event, File, Job
+
+
+def _as_utc(value: datetime) -> datetime:
+    # SQLite hands back naive datetimes; every timestamp the service writes is UTC.
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
+"""A timestamp serialised as ISO 8601 in UTC (``2026-01-02T03:04:05.123456Z``)."""
+
+Purpose = Literal["sft", "rm", "ppo"]
+JobType = Literal["sft", "rm", "ppo"]
+JobStatus = Literal["queued", "running", "cancelling", "cancelled", "pausing", "paused", "succeeded", "failed"]
+
+
+# --- files -------------------------------------------------------------------------------------
+
+
+class FilePublic(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    filename: str
+    purpose: Purpose
+    bytes: int
+    rows: int
+    created_at: UtcDatetime
+
+    @classmethod
+    def of(cls, row: File) -> "FilePublic":
+        return cls(
+            id=row.id,
+            filename=row.filename,
+            purpose=row.purpose,
+            bytes=row.bytes,
+            rows=row.rows,
+            created_at=row.created_at,
+        )
+
+
+class FilesPublic(BaseModel):
+    data: list[FilePublic]
+    has_more: bool
+
+
+# --- jobs --------------------------------------------------------------------------------------
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+
+
+class JobPublic(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    type: JobType
+    name: str | None
+    status: JobStatus
+    model: str
+    """The spec's starting model."""
+    step: int
+    """Last optimizer step with recorded metrics (1-based; 0 before the first)."""
+    total_steps: int | None
+    latest_metrics: dict[str, float]
+    error: JobError | None
+    attempt: int
+    """Run of the job: 1, plus one per lost worker."""
+    created_at: UtcDatetime
+    started_at: UtcDatetime | None
+    finished_at: UtcDatetime | None
+    output_model: str | None
+    """``job:<id>``, usable as another job's model, once the job succeeded."""
+    spec: dict[str, Any]
+    """The validated spec with every default filled in."""
+
+    @classmethod
+    def of(cls, job: Job) -> "JobPublic":
+        error = None
+        if job.error_code is not None:
+            error = JobError(code=job.error_code, message=job.error_message or "")
+        return cls(
+            id=job.id,
+            type=job.type,
+            name=job.name,
+            status=job.status,
+            model=job.spec.get("model", ""),
+            step=job.step,
+            total_steps=job.total_steps,
+            latest_metrics=job.latest_metrics or {},
+            error=error,
+            attempt=job.attempt,
+            created_at=job.created_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+            output_model=f"job:{job.id}" if job.status == "succeeded" else None,
+            spec=job.spec,
+        )
+
+
+class JobsPublic(BaseModel):
+    data: list[JobPublic]
+    has_more: bool
+
+
+class MetricPoint(BaseModel):
+    step: int
+    value: float
+
+
+class MetricsPublic(BaseModel):
+    data: dict[str, list[MetricPoint]]
+    """Series by metric name, in step order."""
+
+
+class EventPublic(BaseModel):
+    id: int
+    kind: str
+    """status, checkpoint, info, warning or error."""
+    message: str
+    data: dict[str, Any]
+    created_at: UtcDatetime
+
+    @classmethod
+    def of(cls, row: Event) -> "EventPublic":
+        return cls(id=row.id, kind=row.kind, message=row.message, data=row.data or {}, created_at=row.created_at)
+
+
+class EventsPublic(BaseModel):
+    data: list[EventPublic]
+    has_more: bool
+
+
+class CheckpointPublic(BaseModel):
+    step: int
+    path: str
+    """Folder relative to the artifacts folder."""
+    metrics: dict[str, float]
+    """The job's metrics at this step."""
+    created_at: UtcDatetime
+
+    @classmethod
+    def of(cls, row: Checkpoint) -> "CheckpointPublic":
+        return cls(step=row.step, path=row.path, metrics=row.metrics or {}, created_at=row.created_at)
+
+
+class CheckpointsPublic(BaseModel):
+    data: list[CheckpointPublic]
+    has_more: bool = False
+
+
+# --- generation --------------------------------------------------------------------------------
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        use_attribute_docstrings=True,
+        json_schema_extra={
+            "examples": [
+                {"prompts": ["Review: the battery"], "checkpoint": "latest", "max_new_tokens": 24, "score": True}
+            ]
+        },
+    )
+
+    prompts: Annotated[list[str], Field(min_length=1, max_length=64)]
+    """Prompts to complete (1 to 64)."""
+    checkpoint: Literal["latest"] | Annotated[int, Field(ge=0)] = "latest"
+    """The checkpoint step to sample from, or ``latest``."""
+    max_new_tokens: Annotated[int, Field(ge=1, le=512)] = 32
+    """Most tokens sampled per completion."""
+    temperature: Annotated[float, Field(ge=0, le=5)] = 0.7
+    """Sampling temperature (0: greedy)."""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Nucleus sampling: sample from the smallest token set with this probability mass."""
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    """Seeds the sampling, so a request is reproducible."""
+    score: bool = False
+    """Also score each completion with the job's reward model."""
+
+
+class Completion(BaseModel):
+    prompt: str
+    text: str
+    finish_reason: str
+    """``stop`` (an end-of-sequence token) or ``length`` (``max_new_tokens`` reached)."""
+    score: float | None = None
+    """Reward-model score; present only when asked for."""
+
+
+class GenerateResponse(BaseModel):
+    checkpoint: int
+    """The step of the checkpoint that generated."""
+    completions: list[Completion]
+
+
+# --- health ------------------------------------------------------------------------------------
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    status: Literal["ok"] = "ok"
+    checks: dict[str, str]

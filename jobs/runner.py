@@ -1,0 +1,380 @@
+"""Running one training job on a worker: claim it, resolve its spec, call the engine, persist what it
+reports, and record how it ended. The Celery task in tasks.py is a thin wrapper around :func:`run_job`.
+
+Every database write goes through a transaction that first renews the job's lease (a heartbeat), so a
+worker that lost its job — recovered by someone else after its lease ran out — writes nothing more.
+"""
+
+import gc
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from pydantic import ValidationError
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.orm import Session
+
+from engine.callbacks import Callbacks, StopRequest
+from engine.checkpoint import list_checkpoints
+from engine.config import JobSpec, format_errors
+from engine.data import DatasetError
+from engine.loop import NonFiniteLossError
+from engine.models import ModelNotFoundError
+from engine.run import run_job as run_engine
+from jobs.store import crud, refs
+from jobs.store.db import session_scope
+from jobs.store.models import ACTIVE_STATUSES, utcnow
+from jobs.store.settings import Settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long a database write is retried before the worker gives up on it (for now)."""
+
+    attempts: int = 5
+    """Tries in all, the first included."""
+    delay_s: float = 0.5
+    """Wait before the second try; doubled before each further one (0.5 + 1 + 2 + 4 s by default)."""
+
+
+DB_RETRY = RetryPolicy()
+
+
+def is_transient(error: BaseException) -> bool:
+    """A database that is restarting, unreachable or briefly locked: worth trying again."""
+    return isinstance(error, OperationalError) or (isinstance(error, DBAPIError) and error.connection_invalidated)
+
+
+def in_transaction(url: str, work: Callable[[Session], T], retry: RetryPolicy | None = None) -> T:
+    """``work(session)`` in one transaction, committed; retried from scratch on transient errors."""
+    retry = retry or DB_RETRY
+    for attempt in range(1, retry.attempts + 1):
+        try:
+            with session_scope(url) as session:
+                result = work(session)
+            return result
+        except DBAPIError as e:
+            if not is_transient(e) or attempt == retry.attempts:
+                raise
+            delay = retry.delay_s * 2 ** (attempt - 1)
+            log.warning("database unavailable (%s); try %d of %d in %.1f s", e.orig, attempt + 1, retry.attempts, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+class LeaseLostError(RuntimeError):
+    """The job is no longer this worker's (its lease ran out and it was recovered, or it was taken away)."""
+
+
+Write = Callable[[Session], object]
+Outcome = tuple[tuple[str, ...], str, dict[str, Any]]
+"""A guarded status change: (from statuses, to, other column values)."""
+
+
+def succeeded(step: int) -> list[Outcome]:
+    return [(ACTIVE_STATUSES, "succeeded", {"output_step": step, "finished_at": utcnow()})]
+
+
+def paused() -> list[Outcome]:
+    # A pause that crossed a cancel request ends cancelled.
+    return [(("running", "pausing"), "paused", {}), (("cancelling",), "cancelled", {"finished_at": utcnow()})]
+
+
+def cancelled() -> list[Outcome]:
+    return [(ACTIVE_STATUSES, "cancelled", {"finished_at": utcnow()})]
+
+
+def failed(code: str, message: str) -> list[Outcome]:
+    values = {"error_code": code, "error_message": message, "finished_at": utcnow()}
+    return [(ACTIVE_STATUSES, "failed", values)]
+
+
+class DbCallbacks(Callbacks):
+    """Persists a running job's progress, and turns the job's status into the engine's stop requests.
+
+    Each callback is one short transaction: heartbeat, then the writes. A write that keeps failing
+    (database down longer than the retries) is kept and committed with the next one, so no metric is
+    lost. A heartbeat that finds the job gone raises :class:`LeaseLostError` out of the engine.
+    """
+
+    def __init__(self, job_id: str, *, settings: Settings, worker: str, out_dir: Path) -> None:
+        self.job_id = job_id
+        self.worker = worker
+        self.url = settings.resolved_database_url
+        self.lease_seconds = settings.lease_seconds
+        self.artifacts = settings.resolved_artifacts_dir
+        self.out_dir = out_dir
+        self.status: str | None = "running"
+        """The job's status at the last heartbeat (the API asks for a stop by changing it)."""
+        self.lease_lost = threading.Event()
+        self._pending: list[Write] = []
+        """Writes not committed yet, oldest first."""
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+        """Metric names already reported as non-finite."""
+
+    # --- what the engine calls -----------------------------------------------------------------
+
+    def on_start(self, start_step: int, total_steps: int) -> None:
+        self._commit(lambda s: crud.set_job_progress(s, job_id=self.job_id, step=start_step, total_steps=total_steps))
+
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        values = self._finite(step, metrics)
+        self._commit(lambda s: crud.add_metrics(s, job_id=self.job_id, step=step, metrics=values))
+
+    def on_event(self, kind: str, message: str, data: dict[str, object] | None = None) -> None:
+        values = dict(data or {})
+        self._commit(lambda s: crud.add_event(s, job_id=self.job_id, kind=kind, message=message, data=values))
+
+    def on_checkpoint(self, step: int, path: Path, metrics: dict[str, float]) -> None:
+        relative = path.resolve().relative_to(self.artifacts).as_posix()
+        kept = [s for s, _ in list_checkpoints(self.out_dir)]
+        values = {name: value for name, value in metrics.items() if math.isfinite(value)}
+        self._commit(
+            lambda s: crud.record_checkpoint(
+                s, job_id=self.job_id, step=step, path=relative, metrics=values, kept_steps=kept
+            )
+        )
+
+    def should_stop(self) -> StopRequest | None:
+        self._check_lease()
+        if self.status == "cancelling":
+            return "cancel"
+        if self.status == "pausing":
+            return "pause"
+        return None
+
+    # --- lease and writes ----------------------------------------------------------------------
+
+    def renew(self) -> None:
+        """Heartbeat only (from the lease thread while the engine is busy); never raises."""
+        try:
+            with session_scope(self.url) as session:
+                status = crud.heartbeat(
+                    session, job_id=self.job_id, worker=self.worker, lease_seconds=self.lease_seconds
+                )
+        except Exception as e:
+            log.warning("job %s: lease renewal failed: %s", self.job_id, e)
+            return
+        if status is None:
+            log.warning("job %s: lost its lease", self.job_id)
+            self.lease_lost.set()
+        else:
+            self.status = status
+
+    def finish(self, outcomes: list[Outcome], event: tuple[str, str, dict[str, Any]] | None = None) -> str:
+        """Commit what is pending, then the first of ``outcomes`` whose guard matches, and an optional
+        event (kind, message, data), in one transaction; returns the job's status.
+
+        The worker lets go of the job: ``worker`` and ``lease_until`` are cleared in the same transaction.
+        """
+
+        def write(session: Session) -> str:
+            self._flush(session)
+            for from_statuses, to, values in outcomes:
+                free = {"worker": None, "lease_until": None}
+                if crud.transition(session, job_id=self.job_id, from_statuses=from_statuses, to=to, **free, **values):
+                    break
+            if event is not None:
+                crud.add_event(session, job_id=self.job_id, kind=event[0], message=event[1], data=event[2])
+            return _status(session, self.job_id)
+
+        with self._lock:
+            status = in_transaction(self.url, write)
+            self._pending.clear()
+        return status
+
+    def _finite(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """The finite metrics. NaN and infinity fit neither JSON columns nor JSON responses; the first of
+        each name is reported in a warning event instead."""
+        finite = {name: float(value) for name, value in metrics.items() if math.isfinite(value)}
+        for name in sorted(metrics.keys() - finite.keys() - self._warned):
+            self._warned.add(name)
+            message = f"{name} is {metrics[name]} at step {step}; non-finite values are not recorded"
+            self._pending.append(self._event(message, {"metric": name, "step": step}))
+        return finite
+
+    def _event(self, message: str, data: dict[str, Any]) -> Write:
+        return lambda s: crud.add_event(s, job_id=self.job_id, kind="warning", message=message, data=data)
+
+    def _commit(self, write: Write) -> None:
+        """Heartbeat and ``write`` (after any writes still pending) in one transaction."""
+        self._check_lease()
+        with self._lock:
+            self._pending.append(write)
+            try:
+                self.status = in_transaction(self.url, self._flush)
+            except LeaseLostError:
+                self._pending.clear()
+                self.lease_lost.set()
+                raise
+            except DBAPIError as e:
+                if not is_transient(e):
+                    self._pending.clear()
+                    raise
+                log.error("job %s: database unavailable, %d writes kept for later: %s", self.job_id,
+                          len(self._pending), e.orig)  # fmt: skip
+                return
+            self._pending.clear()
+
+    def _flush(self, session: Session) -> str:
+        status = crud.heartbeat(session, job_id=self.job_id, worker=self.worker, lease_seconds=self.lease_seconds)
+        if status is None:
+            raise LeaseLostError(f"job {self.job_id} is no longer run by {self.worker}")
+        for write in self._pending:
+            write(session)
+        return status
+
+    def _check_lease(self) -> None:
+        if self.lease_lost.is_set():
+            raise LeaseLostError(f"job {self.job_id} is no longer run by {self.worker}")
+
+
+class LeaseRenewer:
+    """Renews the lease every ``lease_seconds / 3`` from a background thread, for the stretches where no
+    callback runs (loading models, a step longer than the lease). Use as a context manager."""
+
+    def __init__(self, callbacks: DbCallbacks, interval_s: float) -> None:
+        self.callbacks = callbacks
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{callbacks.job_id}", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.callbacks.renew()
+            if self.callbacks.lease_lost.is_set():
+                return
+
+    def __enter__(self) -> "LeaseRenewer":
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def error_code(error: BaseException) -> str:
+    """The job's ``error_code`` for an exception out of the engine."""
+    if isinstance(error, DatasetError):
+        return "dataset_invalid"
+    if isinstance(error, ModelNotFoundError) or (isinstance(error, OSError) and _raised_in_from_pretrained(error)):
+        return "model_not_found"
+    if isinstance(error, NonFiniteLossError):
+        return "non_finite_loss"
+    if isinstance(error, torch.cuda.OutOfMemoryError | MemoryError):
+        return "out_of_memory"
+    if isinstance(error, ValueError):
+        return "invalid_spec"  # e.g. prompts plus responses longer than the model's context
+    return "internal_error"
+
+
+def _raised_in_from_pretrained(error: BaseException) -> bool:
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "from_pretrained":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def run_job(job_id: str, *, settings: Settings, worker: str) -> str:
+    """Run job ``job_id`` if it is queued, as ``worker``; returns the job's status afterwards.
+
+    Idempotent: a job that is not queued (running elsewhere, finished, cancelled) is left alone, so a
+    redelivered task does nothing. A job resumes from the newest checkpoint in its folder.
+    """
+    url = settings.resolved_database_url
+    artifacts = settings.resolved_artifacts_dir
+
+    # 1. claim the job: queued → running, leased to this worker
+    def claim(session: Session) -> tuple[bool, str]:
+        claimed = crud.claim_job(session, job_id=job_id, worker=worker, lease_seconds=settings.lease_seconds)
+        job = crud.get_job(session, job_id=job_id)
+        if claimed and job is not None:
+            crud.add_event(session, job_id=job_id, kind="info", message=f"running on {worker}, attempt {job.attempt}",
+                           data={"worker": worker, "attempt": job.attempt})  # fmt: skip
+        return claimed, job.status if job is not None else "missing"
+
+    claimed, status = in_transaction(url, claim)
+    if not claimed:
+        log.info("job %s is %s, not queued: nothing to do", job_id, status)
+        return status
+
+    out_dir = refs.job_dir(artifacts, job_id)
+    callbacks = DbCallbacks(job_id, settings=settings, worker=worker, out_dir=out_dir)
+    try:
+        with LeaseRenewer(callbacks, settings.lease_seconds / 3):
+            outcomes, event = _train(job_id, settings, out_dir, callbacks)
+        # 4. record how it ended, and let go of the job
+        return callbacks.finish(outcomes, event)
+    except LeaseLostError:
+        log.warning("job %s: lease lost; leaving the job to its new owner", job_id)
+        return in_transaction(url, lambda s: _status(s, job_id))
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+Ending = tuple[list[Outcome], tuple[str, str, dict[str, Any]] | None]
+"""How a job ended: its status transitions, and an event to add."""
+
+
+def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallbacks) -> Ending:
+    # 2. the spec, with job: and file- references turned into paths
+    try:
+        spec = in_transaction(settings.resolved_database_url, lambda s: _resolved_spec(s, job_id, settings))
+    except (refs.SpecReferenceError, ValidationError) as e:
+        return _failure("invalid_spec", format_errors(e) if isinstance(e, ValidationError) else str(e))
+    log.info("job %s: %s job starting in %s", job_id, spec.type, out_dir)
+
+    # 3. train, resuming from the newest checkpoint in out_dir if there is one
+    try:
+        result = run_engine(spec, out_dir, callbacks)
+    except LeaseLostError:
+        raise
+    except Exception as e:
+        log.exception("job %s failed", job_id)
+        return _failure(error_code(e), str(e) or type(e).__name__)
+    log.info("job %s: %s at step %d", job_id, result.status, result.step)
+    if result.status == "succeeded":
+        return succeeded(result.step), None
+    if result.status == "paused":
+        return paused(), None
+    return cancelled(), None
+
+
+def _failure(code: str, message: str) -> Ending:
+    return failed(code, message), ("error", message, {"code": code})
+
+
+def _resolved_spec(session: Session, job_id: str, settings: Settings) -> JobSpec:
+    job = crud.get_job(session, job_id=job_id)
+    assert job is not None, f"job {job_id} disappeared"
+    resolved = refs.resolve_spec(
+        session,
+        project_id=job.project_id,
+        spec=job.spec,
+        artifacts=settings.resolved_artifacts_dir,
+        model_root=settings.model_root,
+    )
+    return JobSpec.model_validate(resolved)
+
+
+def _status(session: Session, job_id: str) -> str:
+    job = crud.get_job(session, job_id=job_id)
+    return job.status if job is not None else "missing"

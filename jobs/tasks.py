@@ -1,0 +1,136 @@
+"""The Celery tasks, registered on ``jobs.celery_app.celery_app`` by name. Thin: they take ids, read
+the settings and call runner.py or inference.py, which hold the logic.
+
+Workers also recover jobs whose worker was lost: once when they start (a restarted embedded server
+resumes its jobs) and then every half lease from a background thread.
+"""
+
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+from celery import Task
+from celery.signals import worker_ready, worker_shutdown
+from sqlalchemy.exc import DBAPIError
+
+from jobs import inference, runner
+from jobs.celery_app import GENERATE_TASK, RECOVER_TASK, RUN_JOB_TASK, celery_app, make_celery
+from jobs.store import crud
+from jobs.store.db import session_scope
+from jobs.store.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+_settings: Settings | None = None
+DB_DOWN_RETRY_S = 30
+DB_DOWN_RETRIES = 120
+"""A training task retries for an hour while the database is unreachable."""
+
+
+def configure(settings: Settings) -> None:
+    """Use ``settings`` rather than the environment's, for the tasks and the app's broker and backend
+    (a worker started in-process by :func:`jobs.worker.start_worker`)."""
+    global _settings
+    _settings = settings
+    fresh = make_celery(settings).conf
+    for key in (
+        "broker_url",
+        "result_backend",
+        "broker_transport_options",
+        "result_backend_transport_options",
+        "visibility_timeout",
+    ):
+        celery_app.conf[key] = fresh.get(key)
+    celery_app.set_current()
+
+
+def current_settings() -> Settings:
+    return _settings or get_settings()
+
+
+def worker_name() -> str:
+    """Who holds a job's lease: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@celery_app.task(name=RUN_JOB_TASK, bind=True, acks_late=True, ignore_result=True, max_retries=DB_DOWN_RETRIES)
+def run_job(self: Task, job_id: str) -> str:
+    try:
+        return runner.run_job(job_id, settings=current_settings(), worker=worker_name())
+    except DBAPIError as e:
+        if not runner.is_transient(e):
+            raise
+        # The database is down: this message may be the only one for a queued job, so it must not be
+        # dropped. (A job left running is recovered once its lease runs out.)
+        log.warning("job %s: database unavailable; trying again in %d s", job_id, DB_DOWN_RETRY_S)
+        raise self.retry(exc=e, countdown=DB_DOWN_RETRY_S) from e
+
+
+@celery_app.task(name=GENERATE_TASK)
+def generate(**kwargs: Any) -> dict[str, Any]:
+    return inference.generate(**kwargs, settings=current_settings())
+
+
+@celery_app.task(name=RECOVER_TASK, ignore_result=True)
+def recover_expired() -> list[str]:
+    return recover_and_enqueue(current_settings())
+
+
+def recover_and_enqueue(settings: Settings) -> list[str]:
+    """Requeue jobs whose lease expired, then (after the commit) send them to the train queue."""
+    with session_scope(settings.resolved_database_url) as session:
+        job_ids = crud.recover_expired(session, max_attempts=settings.max_attempts)
+    for job_id in job_ids:
+        celery_app.send_task(RUN_JOB_TASK, args=[job_id])
+    if job_ids:
+        log.warning("requeued %d job(s) whose worker was lost: %s", len(job_ids), ", ".join(job_ids))
+    return job_ids
+
+
+class RecoveryLoop:
+    """Calls :func:`recover_and_enqueue` every ``interval_s`` from a daemon thread until stopped."""
+
+    def __init__(self, settings: Settings, interval_s: float) -> None:
+        self.settings = settings
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rlhf-recovery", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            _recover_quietly(self.settings)
+
+
+def _recover_quietly(settings: Settings) -> None:
+    try:
+        recover_and_enqueue(settings)
+    except Exception:
+        log.exception("recovering expired jobs failed; trying again later")
+
+
+_recovery: RecoveryLoop | None = None
+
+
+@worker_ready.connect
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    global _recovery
+    if getattr(sender, "app", None) is not celery_app:
+        return
+    settings = current_settings()
+    _recover_quietly(settings)
+    _recovery = RecoveryLoop(settings, max(1.0, settings.lease_seconds / 2))
+    _recovery.start()
+
+
+@worker_shutdown.connect
+def _on_worker_shutdown(**_: Any) -> None:
+    if _recovery is not None:
+        _recovery.stop()

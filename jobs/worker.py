@@ -1,0 +1,68 @@
+"""A Celery worker in this process: ``rlhf worker --queues train`` (once per GPU), ``rlhf worker
+--queues inference``, and the worker children of ``rlhf serve``. Also ``python -m jobs.worker``.
+
+A train worker runs one job at a time in the solo pool: no forked children, so torch and CUDA are
+initialised once, in the process that uses them. An inference worker may serve several requests at
+once from threads (the loaded checkpoints are shared through the cache).
+"""
+
+import argparse
+import logging
+import os
+import socket
+
+from transformers.utils import logging as hf_logging
+
+from jobs import tasks
+from jobs.celery_app import INFERENCE_QUEUE, TRAIN_QUEUE, celery_app
+from jobs.store.settings import Settings, get_settings
+
+QUEUES = (TRAIN_QUEUE, INFERENCE_QUEUE)
+
+
+def worker_argv(queues: list[str], concurrency: int = 1, loglevel: str = "INFO") -> list[str]:
+    """The ``celery worker`` arguments for ``queues``; refuses more than one job at a time on ``train``."""
+    unknown = set(queues) - set(QUEUES)
+    if not queues or unknown:
+        raise ValueError(f"queues must be among {', '.join(QUEUES)}; got {', '.join(queues) or 'none'}")
+    if TRAIN_QUEUE in queues and concurrency != 1:
+        raise ValueError("a train worker runs one job at a time (concurrency 1); start one worker per GPU")
+    if concurrency < 1:
+        raise ValueError("concurrency must be at least 1")
+    return [
+        "worker",
+        f"--queues={','.join(queues)}",
+        f"--pool={'solo' if concurrency == 1 else 'threads'}",
+        f"--concurrency={concurrency}",
+        f"--loglevel={loglevel}",
+        f"--hostname={'+'.join(queues)}-{os.getpid()}@{socket.gethostname()}",
+        "--without-gossip",
+        "--without-mingle",
+    ]
+
+
+def start_worker(
+    queues: list[str], settings: Settings | None = None, concurrency: int = 1, loglevel: str = "INFO"
+) -> None:
+    """Consume ``queues`` until the worker is shut down (SIGTERM or Ctrl-C: it finishes its current task)."""
+    argv = worker_argv(queues, concurrency, loglevel)
+    settings = settings or get_settings()
+    settings.check()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    hf_logging.disable_progress_bar()  # tqdm bars would reach the log as warnings, one per checkpoint
+    tasks.configure(settings)
+    celery_app.worker_main(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rlhf worker", description="Run a Celery worker of rlhf-server.")
+    parser.add_argument("--queues", default=TRAIN_QUEUE, help=f"comma-separated, among {', '.join(QUEUES)}")
+    parser.add_argument("--concurrency", type=int, default=1, help="parallel requests (inference only)")
+    parser.add_argument("--loglevel", default="INFO")
+    args = parser.parse_args(argv)
+    start_worker([q for q in args.queues.split(",") if q], concurrency=args.concurrency, loglevel=args.loglevel)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""POST/GET /v1/jobs and the control actions: validation naming the field, references, idempotency,
+pagination and filters, enqueue after commit, guarded cancel/pause/resume."""
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from jobs.store import crud
+from jobs.store.settings import Settings
+from tests.api.conftest import PPO_SPEC, RM_SPEC, SFT_SPEC, Calls, Db, Project, error_of, jsonl, new_project
+
+
+def jobs_stored(client: TestClient) -> list[dict[str, Any]]:
+    data: list[dict[str, Any]] = client.get("/v1/jobs", params={"limit": 100}).json()["data"]
+    return data
+
+
+def test_create_job(client: TestClient, calls: Calls) -> None:
+    response = client.post("/v1/jobs", json={**SFT_SPEC, "name": "first", "hyperparameters": {"max_steps": 7}})
+    assert response.status_code == 201, response.text
+    job = response.json()
+    assert job["id"].startswith("job_")
+    assert {k: job[k] for k in ("object", "type", "name", "status", "model", "step", "attempt")} == {
+        "object": "job",
+        "type": "sft",
+        "name": "first",
+        "status": "queued",
+        "model": "builtin:tiny",
+        "step": 0,
+        "attempt": 1,
+    }
+    assert (job["error"], job["output_model"], job["started_at"], job["finished_at"]) == (None, None, None, None)
+    assert job["created_at"].endswith(("Z", "+00:00"))
+    assert job["spec"]["hyperparameters"]["max_steps"] == 7
+    assert job["spec"]["hyperparameters"]["learning_rate"] == 1e-3  # defaults filled in
+    assert calls.enqueued == [job["id"]]
+    assert client.get(f"/v1/jobs/{job['id']}").json() == job
+
+
+def test_enqueue_happens_after_commit(client: TestClient, calls: Calls, db: Db) -> None:
+    seen: list[str] = []
+
+    def enqueue(job_id: str) -> None:
+        seen.append(db.get(job_id).status)  # another session: sees only committed rows
+
+    client.app.state.enqueue = enqueue  # type: ignore[attr-defined]
+    assert client.post("/v1/jobs", json=SFT_SPEC).status_code == 201
+    assert seen == ["queued"]
+
+
+def test_enqueue_failure_is_503_and_the_job_is_not_left_queued(client: TestClient) -> None:
+    def broken(_job_id: str) -> None:
+        raise ConnectionError("broker down")
+
+    client.app.state.enqueue = broken  # type: ignore[attr-defined]
+    response = client.post("/v1/jobs", json=SFT_SPEC)
+    assert response.status_code == 503
+    assert error_of(response)["code"] == "unavailable"
+    [job] = jobs_stored(client)
+    assert job["status"] == "failed"
+    assert job["error"]["code"] == "enqueue_failed"
+
+
+@pytest.mark.parametrize(
+    ("spec", "param", "needle"),
+    [
+        ({**SFT_SPEC, "hyperparameters": {"learning_rate": 5}}, "hyperparameters.learning_rate", "less than or equal"),
+        (
+            {**SFT_SPEC, "hyperparameters": {"batch_size": 6, "gradient_accumulation_steps": 4}},
+            "hyperparameters.batch_size",
+            "multiple",
+        ),
+        ({**SFT_SPEC, "hyperparameters": {"nope": 1}}, "hyperparameters.nope", "Extra inputs"),
+        ({**PPO_SPEC, "hyperparameters": {"kl_coef": -1}}, "hyperparameters.kl_coef", "greater than or equal"),
+        ({**SFT_SPEC, "unknown_field": 1}, "unknown_field", "Extra inputs"),
+        ({**SFT_SPEC, "dataset": "builtin:reviews-prefs"}, "dataset", "rm rows"),
+        ({**SFT_SPEC, "type": "dpo"}, "type", "sft"),
+        ({"type": "sft", "dataset": "builtin:reviews-sft"}, "model", "required"),
+        ({**SFT_SPEC, "lora": {"r": 0}}, "lora.r", "greater than"),
+        ({**SFT_SPEC, "seed": -1}, "seed", "greater than"),
+        ({**PPO_SPEC, "reward_model": None}, "reward_model", "required"),
+    ],
+)
+def test_invalid_spec_is_422_naming_the_field(
+    client: TestClient, calls: Calls, spec: dict[str, Any], param: str, needle: str
+) -> None:
+    response = client.post("/v1/jobs", json=spec)
+    assert response.status_code == 422, response.text
+    error = error_of(response)
+    assert (error["code"], error["param"]) == ("invalid_request", param)
+    assert needle in error["message"]
+    assert jobs_stored(client) == []
+    assert calls.enqueued == []
+
+
+def test_body_that_is_not_a_spec_object(client: TestClient) -> None:
+    for content in (b"[1, 2]", b"{not json", b""):
+        response = client.post("/v1/jobs", content=content, headers={"Content-Type": "application/json"})
+        assert response.status_code == 422, content
+        assert error_of(response)["code"] == "invalid_request"
+
+
+def test_references_to_jobs(client: TestClient, settings: Settings, project: Project, db: Db, calls: Calls) -> None:
+    running = db.job(project.id, status="running")
+    succeeded_rm = db.job(project.id, spec=RM_SPEC, status="succeeded")
+    other_project_job = db.job(new_project(settings, "other").id, status="succeeded")
+    db.checkpoint(running, 4)
+    cases = [
+        ({**SFT_SPEC, "model": "job:job_000000000000"}, "model", "job_not_found"),
+        ({**SFT_SPEC, "model": f"job:{other_project_job}"}, "model", "job_not_found"),
+        ({**SFT_SPEC, "model": f"job:{running}"}, "model", "job_not_succeeded"),
+        ({**SFT_SPEC, "model": f"job:{running}@9"}, "model", "checkpoint_not_found"),
+        ({**SFT_SPEC, "model": f"job:{succeeded_rm}"}, "model", "wrong_job_type"),
+        ({**PPO_SPEC, "reward_model": f"job:{running}"}, "reward_model", "wrong_job_type"),
+        ({**SFT_SPEC, "model": "./local/model"}, "model", "local_path_refused"),
+    ]
+    for spec, param, code in cases:
+        response = client.post("/v1/jobs", json=spec)
+        assert response.status_code == 422, (spec, response.text)
+        assert (error_of(response)["code"], error_of(response)["param"]) == (code, param)
+    assert {job["id"] for job in jobs_stored(client)} == {running, succeeded_rm}
+    assert calls.enqueued == []
+    # An explicit checkpoint of a running job, and a succeeded reward model, are fine.
+    ok = client.post("/v1/jobs", json={**PPO_SPEC, "model": f"job:{running}@4", "reward_model": f"job:{succeeded_rm}"})
+    assert ok.status_code == 201, ok.text
+
+
+def test_references_to_files(client: TestClient, settings: Settings) -> None:
+    def upload(rows: list[dict[str, str]], purpose: str, headers: dict[str, str] | None = None) -> str:
+        files = {"file": ("d.jsonl", jsonl(rows))}
+        response = client.post("/v1/files", files=files, data={"purpose": purpose}, headers=headers)
+        file_id: str = response.json()["id"]
+        return file_id
+
+    sft_file = upload([{"prompt": "p", "completion": "c"}], "sft")
+    ppo_file = upload([{"prompt": "p"}], "ppo")
+    foreign = upload([{"prompt": "p", "completion": "c"}], "sft", new_project(settings, "other").headers)
+    cases = [
+        ({**SFT_SPEC, "dataset": ppo_file}, "dataset", "wrong_file_purpose"),
+        ({**SFT_SPEC, "eval_dataset": ppo_file}, "eval_dataset", "wrong_file_purpose"),
+        ({**SFT_SPEC, "dataset": foreign}, "dataset", "file_not_found"),
+        ({**SFT_SPEC, "dataset": "file-000000000000"}, "dataset", "file_not_found"),
+        ({**PPO_SPEC, "dataset": sft_file}, "dataset", "wrong_file_purpose"),
+        (
+            {**PPO_SPEC, "dataset": ppo_file, "hyperparameters": {"ptx_coef": 0.1, "ptx_dataset": ppo_file}},
+            "hyperparameters.ptx_dataset",
+            "wrong_file_purpose",
+        ),
+    ]
+    for spec, param, code in cases:
+        response = client.post("/v1/jobs", json=spec)
+        assert response.status_code == 422, (spec, response.text)
+        assert (error_of(response)["code"], error_of(response)["param"]) == (code, param)
+    assert jobs_stored(client) == []
+    assert client.post("/v1/jobs", json={**SFT_SPEC, "dataset": sft_file}).status_code == 201
+
+
+def test_idempotency_key(client: TestClient, calls: Calls, settings: Settings) -> None:
+    key = {"Idempotency-Key": "retry-me"}
+    first = client.post("/v1/jobs", json=SFT_SPEC, headers=key)
+    again = client.post("/v1/jobs", json=SFT_SPEC, headers=key)
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert again.json() == first.json()
+    # The same spec spelled with its defaults is the same spec.
+    spelled = client.post("/v1/jobs", json={**SFT_SPEC, "seed": 0, "hyperparameters": {"batch_size": 32}}, headers=key)
+    assert spelled.status_code == 200
+    assert spelled.json()["id"] == first.json()["id"]
+
+    different = client.post("/v1/jobs", json={**SFT_SPEC, "seed": 1}, headers=key)
+    assert different.status_code == 409
+    assert error_of(different) | {"message": ""} == {"code": "conflict", "param": "Idempotency-Key", "message": ""}
+    assert calls.enqueued == [first.json()["id"]]
+    assert len(jobs_stored(client)) == 1
+    # Keys are per project, and other keys make new jobs.
+    other = client.post("/v1/jobs", json=SFT_SPEC, headers={**new_project(settings, "o").headers, **key})
+    assert other.status_code == 201
+    assert client.post("/v1/jobs", json=SFT_SPEC, headers={"Idempotency-Key": "another"}).status_code == 201
+
+
+def test_list_pages_and_filters(client: TestClient, project: Project, db: Db) -> None:
+    created = [client.post("/v1/jobs", json=SFT_SPEC).json()["id"] for _ in range(4)]
+    created.append(client.post("/v1/jobs", json=RM_SPEC).json()["id"])
+    seen, pages, after = [], [], None
+    while True:
+        page = client.get("/v1/jobs", params={"limit": 2, **({"after": after} if after else {})}).json()
+        pages.append((len(page["data"]), page["has_more"]))
+        seen += [job["id"] for job in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["data"][-1]["id"]
+    assert pages == [(2, True), (2, True), (1, False)]
+    assert sorted(seen) == sorted(created)
+    full = client.get("/v1/jobs").json()
+    assert [job["id"] for job in full["data"]] == seen  # pages chain into the full list, newest first
+    assert [job["created_at"] for job in full["data"]] == sorted((j["created_at"] for j in full["data"]), reverse=True)
+
+    db.status(created[0], "running")
+    db.status(created[1], "failed")
+    assert [j["id"] for j in client.get("/v1/jobs", params={"status": "running"}).json()["data"]] == [created[0]]
+    assert [j["id"] for j in client.get("/v1/jobs", params={"type": "rm"}).json()["data"]] == [created[4]]
+    queued_sft = client.get("/v1/jobs", params={"type": "sft", "status": "queued"}).json()["data"]
+    assert sorted(j["id"] for j in queued_sft) == sorted(created[2:4])
+
+    bad: list[tuple[dict[str, str | int], str]] = [
+        ({"status": "done"}, "status"),
+        ({"limit": 0}, "limit"),
+        ({"limit": 101}, "limit"),
+    ]
+    for params, param in bad:
+        response = client.get("/v1/jobs", params=params)
+        assert response.status_code == 422
+        assert error_of(response)["param"] == param
+
+
+def test_job_object_reports_progress_error_and_output(client: TestClient, project: Project, db: Db) -> None:
+    job_id = db.job(project.id, status="running")
+    db.metrics(job_id, 3, {"loss/sft": 0.5, "lr": 0.001})
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert (job["status"], job["step"], job["latest_metrics"]) == ("running", 3, {"loss/sft": 0.5, "lr": 0.001})
+    db.status(job_id, "succeeded", finished_at=crud.utcnow(), output_step=3)
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["output_model"] == f"job:{job_id}"
+    assert job["finished_at"].endswith(("Z", "+00:00"))
+
+    failed = db.job(project.id, status="failed")
+    db.status(failed, "failed", error_code="out_of_memory", error_message="CUDA out of memory")
+    job = client.get(f"/v1/jobs/{failed}").json()
+    assert job["error"] == {"code": "out_of_memory", "message": "CUDA out of memory"}
+    assert job["output_model"] is None
+    assert client.get("/v1/jobs/job_000000000000").status_code == 404
+
+
+# --- cancel, pause, resume ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("action", "before", "after"),
+    [
+        ("cancel", "queued", "cancelled"),
+        ("cancel", "paused", "cancelled"),
+        ("cancel", "running", "cancelling"),
+        ("cancel", "pausing", "cancelling"),
+        ("cancel", "cancelling", "cancelling"),
+        ("pause", "running", "pausing"),
+        ("pause", "queued", "paused"),
+        ("pause", "pausing", "pausing"),
+        ("pause", "paused", "paused"),
+        ("resume", "paused", "queued"),
+    ],
+)
+def test_control_actions(
+    client: TestClient, project: Project, db: Db, calls: Calls, action: str, before: str, after: str
+) -> None:
+    job_id = db.job(project.id, status=before)
+    response = client.post(f"/v1/jobs/{job_id}/{action}")
+    assert response.status_code == 200, response.text
+    assert response.json()["status"] == after
+    assert db.get(job_id).status == after
+    assert calls.enqueued == ([job_id] if action == "resume" else [])
+    if after == "cancelled":
+        assert response.json()["finished_at"] is not None
+
+
+@pytest.mark.parametrize(
+    ("action", "before"),
+    [
+        *[("cancel", s) for s in ("succeeded", "failed", "cancelled")],
+        *[("pause", s) for s in ("succeeded", "failed", "cancelled", "cancelling")],
+        *[("resume", s) for s in ("queued", "running", "pausing", "succeeded", "cancelled")],
+    ],
+)
+def test_control_actions_refused(
+    client: TestClient, project: Project, db: Db, calls: Calls, action: str, before: str
+) -> None:
+    job_id = db.job(project.id, status=before)
+    response = client.post(f"/v1/jobs/{job_id}/{action}")
+    assert response.status_code == 409
+    error = error_of(response)
+    assert error["code"] == "conflict"
+    assert before in error["message"]
+    assert db.get(job_id).status == before
+    assert calls.enqueued == []
+
+
+def test_resume_that_cannot_be_enqueued_stays_paused(client: TestClient, project: Project, db: Db) -> None:
+    def broken(_job_id: str) -> None:
+        raise ConnectionError("broker down")
+
+    client.app.state.enqueue = broken  # type: ignore[attr-defined]
+    job_id = db.job(project.id, status="paused")
+    assert client.post(f"/v1/jobs/{job_id}/resume").status_code == 503
+    assert db.get(job_id).status == "paused"
+
+
+def test_control_actions_record_status_events(client: TestClient, project: Project, db: Db) -> None:
+    job_id = db.job(project.id, status="running")
+    client.post(f"/v1/jobs/{job_id}/pause")
+    db.status(job_id, "paused")  # the worker saved a checkpoint and stopped
+    client.post(f"/v1/jobs/{job_id}/resume")
+    client.post(f"/v1/jobs/{job_id}/cancel")
+    kinds = [(e["kind"], e["message"]) for e in client.get(f"/v1/jobs/{job_id}/events").json()["data"]]
+    assert kinds == [("status", s) for s in ("running", "pausing", "paused", "queued", "cancelled")]

@@ -1,0 +1,70 @@
+"""The application object: lazy to create, documented, one error envelope everywhere."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from tests.api.conftest import error_of, make_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# DESIGN §4, every method and path.
+DESIGN_ROUTES = {
+    ("post", "/v1/files"), ("get", "/v1/files"), ("get", "/v1/files/{file_id}"),
+    ("post", "/v1/jobs"), ("get", "/v1/jobs"), ("get", "/v1/jobs/{job_id}"),
+    ("post", "/v1/jobs/{job_id}/cancel"), ("post", "/v1/jobs/{job_id}/pause"), ("post", "/v1/jobs/{job_id}/resume"),
+    ("get", "/v1/jobs/{job_id}/metrics"), ("get", "/v1/jobs/{job_id}/events"), ("get", "/v1/jobs/{job_id}/stream"),
+    ("get", "/v1/jobs/{job_id}/checkpoints"), ("post", "/v1/jobs/{job_id}/generate"),
+    ("get", "/healthz"), ("get", "/readyz"),
+}  # fmt: skip
+
+
+def test_openapi_lists_every_design_route(client: TestClient) -> None:
+    document = client.get("/openapi.json").json()
+    routes = {(method, path) for path, item in document["paths"].items() for method in item}
+    assert routes == DESIGN_ROUTES
+    assert client.get("/docs").status_code == 200
+
+
+def test_openapi_documents_the_job_spec_with_examples(client: TestClient) -> None:
+    document = client.get("/openapi.json").json()
+    body = document["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"] == {"$ref": "#/components/schemas/JobSpec"}
+    assert set(body["examples"]) == {"sft", "rm", "ppo"}
+    spec = document["components"]["schemas"]["JobSpec"]
+    assert {"type", "model", "dataset", "hyperparameters", "lora"} <= set(spec["properties"])
+    assert "LoraSpec" in document["components"]["schemas"]
+    generate = document["components"]["schemas"]["GenerateRequest"]
+    assert generate["examples"]
+    assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+
+
+def test_errors_share_one_envelope(client: TestClient) -> None:
+    assert error_of(client.get("/v1/nothing-here"))["code"] == "not_found"
+    assert error_of(client.delete("/v1/jobs"))["code"] == "method_not_allowed"
+    assert error_of(client.get("/v1/jobs", params={"limit": "many"})) == {
+        "code": "invalid_request",
+        "param": "limit",
+        "message": "limit: Input should be a valid integer, unable to parse string as an integer",
+    }
+
+
+def test_importing_the_app_touches_no_database(tmp_path: Path) -> None:
+    # A data folder that does not exist and a database that cannot be reached: importing still works.
+    env = {"RLHF_DATA_DIR": str(tmp_path / "absent"), "RLHF_DATABASE_URL": "postgresql+psycopg://x@127.0.0.1:1/none",
+           "PATH": "/usr/bin:/bin"}  # fmt: skip
+    code = "import api.main, sys; assert 'torch' not in sys.modules; print(api.main.app.title)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "rlhf-server"
+    assert not (tmp_path / "absent").exists()
+
+
+def test_production_refuses_the_embedded_defaults(tmp_path: Path) -> None:
+    settings = make_settings(tmp_path, "sqlite:///" + str(tmp_path / "x.db"), environment="production")
+    app = create_app(settings, recovery_interval=None)  # creating it is fine; starting it is not
+    with pytest.raises(ValueError, match="production"), TestClient(app):
+        pass

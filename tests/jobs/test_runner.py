@@ -1,0 +1,334 @@
+"""runner.run_job against real databases with the tiny built-in model: claim, persist, stop, resume,
+lose the lease, and map failures to error codes."""
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import psycopg
+import pytest
+import torch
+from sqlalchemy.exc import OperationalError
+
+from engine.data import DatasetError
+from engine.loop import NonFiniteLossError
+from engine.models import ModelNotFoundError
+from jobs import runner
+from jobs.store import crud, db
+from jobs.store.models import utcnow
+from jobs.store.settings import Settings
+from tests.jobs.conftest import (
+    PG_ADMIN_URL,
+    checkpoint_steps,
+    create_job,
+    disk_checkpoint_steps,
+    events,
+    get_job,
+    make_settings,
+    metric_series,
+    new_project,
+    set_status,
+    sft_spec,
+    status_changes,
+)
+
+SFT_METRICS = {"loss/sft", "lr", "grad_norm", "time/step_s", "throughput/tokens_per_s"}
+
+
+def hooked(monkeypatch: pytest.MonkeyPatch, after_step: int, action: Callable[[], None]) -> list[int]:
+    """Make the runner's callbacks call ``action`` once step ``after_step`` is done (before its metrics
+    are written, as if another session acted while the step ran); returns the steps reported."""
+    reported: list[int] = []
+
+    class Hooked(runner.DbCallbacks):
+        def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+            reported.append(step)
+            if step == after_step:
+                action()
+            super().on_metrics(step, metrics)
+
+    monkeypatch.setattr(runner, "DbCallbacks", Hooked)
+    return reported
+
+
+def test_sft_job_succeeds_and_a_second_run_is_a_no_op(settings: Settings, project_id: str) -> None:
+    job_id = create_job(settings, project_id, sft_spec())
+
+    assert runner.run_job(job_id, settings=settings, worker="w1:1") == "succeeded"
+
+    job = get_job(settings, job_id)
+    assert (job.status, job.step, job.total_steps, job.output_step) == ("succeeded", 4, 4, 4)
+    assert job.worker is None and job.lease_until is None and job.finished_at is not None
+    assert job.error_code is None
+    series = metric_series(settings, job_id)
+    assert set(series) == SFT_METRICS
+    assert all(steps == [1, 2, 3, 4] for steps in series.values())
+    assert set(job.latest_metrics) == SFT_METRICS
+    assert checkpoint_steps(settings, job_id) == disk_checkpoint_steps(settings, job_id) == [2, 4]
+    assert status_changes(settings, job_id) == ["running", "succeeded"]
+    kinds = [e.kind for e in events(settings, job_id)]
+    assert kinds.count("checkpoint") == 2
+
+    # A redelivered task: nothing runs, nothing is written twice.
+    before = len(events(settings, job_id))
+    assert runner.run_job(job_id, settings=settings, worker="w2:2") == "succeeded"
+    assert metric_series(settings, job_id) == series
+    assert len(events(settings, job_id)) == before
+    assert get_job(settings, job_id).worker is None
+
+
+def test_cancel_between_steps(settings: Settings, project_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    job_id = create_job(settings, project_id, sft_spec(hyperparameters={"max_steps": 6}))
+    hooked(monkeypatch, 2, lambda: set_status(settings, job_id, ("running",), "cancelling"))
+
+    assert runner.run_job(job_id, settings=settings, worker="w:1") == "cancelled"
+
+    job = get_job(settings, job_id)
+    assert (job.status, job.step, job.worker, job.output_step) == ("cancelled", 2, None, None)
+    assert job.finished_at is not None
+    assert all(steps == [1, 2] for steps in metric_series(settings, job_id).values())
+    assert status_changes(settings, job_id) == ["running", "cancelling", "cancelled"]
+
+
+def test_pause_then_resume_continues_from_the_checkpoint(
+    settings: Settings, project_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job_id = create_job(settings, project_id, sft_spec(checkpoint_every=100))
+    hooked(monkeypatch, 2, lambda: set_status(settings, job_id, ("running",), "pausing"))
+
+    assert runner.run_job(job_id, settings=settings, worker="w:1") == "paused"
+    job = get_job(settings, job_id)
+    assert (job.status, job.step, job.worker, job.finished_at) == ("paused", 2, None, None)
+    assert checkpoint_steps(settings, job_id) == disk_checkpoint_steps(settings, job_id) == [2]
+
+    # Resume (the API's paused → queued); the step reported at start is the checkpoint's, never 0.
+    set_status(settings, job_id, ("paused",), "queued")
+    steps_seen: list[int] = []
+
+    class Watching(runner.DbCallbacks):
+        def on_start(self, start_step: int, total_steps: int) -> None:
+            super().on_start(start_step, total_steps)
+            steps_seen.append(get_job(settings, job_id).step)
+
+        def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+            steps_seen.append(get_job(settings, job_id).step)
+            super().on_metrics(step, metrics)
+
+    monkeypatch.setattr(runner, "DbCallbacks", Watching)
+    assert runner.run_job(job_id, settings=settings, worker="w:2") == "succeeded"
+
+    assert steps_seen == [2, 2, 3]  # at start, then before the metrics of steps 3 and 4
+    job = get_job(settings, job_id)
+    assert (job.status, job.step, job.output_step, job.attempt) == ("succeeded", 4, 4, 1)
+    series = metric_series(settings, job_id)
+    assert set(series) == SFT_METRICS
+    assert all(steps == [1, 2, 3, 4] for steps in series.values())
+    assert checkpoint_steps(settings, job_id) == disk_checkpoint_steps(settings, job_id) == [2, 4]
+    assert any(e.message == "resumed from step 2" for e in events(settings, job_id))
+    assert status_changes(settings, job_id) == ["running", "pausing", "paused", "queued", "running", "succeeded"]
+
+
+def test_a_worker_that_lost_its_lease_writes_nothing_more(
+    settings: Settings, project_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job_id = create_job(settings, project_id, sft_spec(hyperparameters={"max_steps": 6}))
+    plain = runner.DbCallbacks
+
+    def expire_and_recover() -> None:
+        with db.session_scope(settings.resolved_database_url) as session:
+            later = utcnow() + timedelta(seconds=settings.lease_seconds + 1)
+            assert crud.recover_expired(session, max_attempts=3, now=later) == [job_id]
+
+    reported = hooked(monkeypatch, 3, expire_and_recover)
+    assert runner.run_job(job_id, settings=settings, worker="w:1") == "queued"
+
+    assert reported == [1, 2, 3]
+    job = get_job(settings, job_id)
+    assert (job.status, job.attempt, job.worker, job.error_code) == ("queued", 2, None, None)
+    assert all(steps == [1, 2] for steps in metric_series(settings, job_id).values())
+    assert "failed" not in status_changes(settings, job_id)
+
+    # The requeued job's next run resumes from step 2 and ends with every step recorded once.
+    monkeypatch.setattr(runner, "DbCallbacks", plain)
+    assert runner.run_job(job_id, settings=settings, worker="w:2") == "succeeded"
+    assert all(steps == [1, 2, 3, 4, 5, 6] for steps in metric_series(settings, job_id).values())
+
+
+def test_only_one_of_two_workers_claims_a_job(settings: Settings, project_id: str) -> None:
+    job_id = create_job(settings, project_id, sft_spec())
+    barrier = threading.Barrier(2)
+    results: dict[str, bool] = {}
+
+    def claim(worker: str) -> None:
+        with db.session_scope(settings.resolved_database_url) as session:
+            barrier.wait()
+            results[worker] = crud.claim_job(session, job_id=job_id, worker=worker, lease_seconds=30)
+
+    threads = [threading.Thread(target=claim, args=(w,)) for w in ("a:1", "b:2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results.values()) == [False, True]
+    winner = next(w for w, won in results.items() if won)
+    assert get_job(settings, job_id).worker == winner
+
+    # The loser's task finds the job running and leaves it alone.
+    loser = next(w for w, won in results.items() if not won)
+    assert runner.run_job(job_id, settings=settings, worker=loser) == "running"
+    assert get_job(settings, job_id).worker == winner
+    assert metric_series(settings, job_id) == {}
+
+
+def test_lease_is_renewed_while_the_engine_is_busy(sqlite_settings: Settings) -> None:
+    settings = sqlite_settings
+    job_id = create_job(settings, new_project(settings), sft_spec())
+    with db.session_scope(settings.resolved_database_url) as session:
+        assert crud.claim_job(session, job_id=job_id, worker="w:1", lease_seconds=1)
+    callbacks = runner.DbCallbacks(job_id, settings=settings, worker="w:1", out_dir=Path("unused"))
+    callbacks.lease_seconds = 1
+    with runner.LeaseRenewer(callbacks, interval_s=0.2):
+        time.sleep(1.5)  # longer than the lease: a long model load
+        lease_until = get_job(settings, job_id).lease_until
+        assert lease_until is not None and lease_until.replace(tzinfo=utcnow().tzinfo) > utcnow()
+        set_status(settings, job_id, ("running",), "pausing")
+        time.sleep(0.5)
+        assert callbacks.should_stop() == "pause"
+        with db.session_scope(settings.resolved_database_url) as session:  # taken away
+            crud.transition(session, job_id=job_id, from_statuses=("pausing",), to="queued", worker=None)
+        time.sleep(0.5)
+    assert callbacks.lease_lost.is_set()
+    with pytest.raises(runner.LeaseLostError):
+        callbacks.should_stop()
+
+
+def test_metrics_survive_a_database_outage(sqlite_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 2's write fails through every retry; it is kept and committed with step 3's."""
+    settings = sqlite_settings
+    job_id = create_job(settings, new_project(settings), sft_spec())
+    monkeypatch.setattr(runner, "DB_RETRY", runner.RetryPolicy(attempts=2, delay_s=0.01))
+    add_metrics = crud.add_metrics
+    failures: list[int] = []
+
+    def flaky(session: object, *, job_id: str, step: int, metrics: dict[str, float]) -> None:
+        if step == 2 and len(failures) < 3:  # two tries in step 2's transaction, one in step 3's
+            failures.append(step)
+            raise OperationalError("INSERT INTO metrics", {}, Exception("the database is restarting"))
+        add_metrics(session, job_id=job_id, step=step, metrics=metrics)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(crud, "add_metrics", flaky)
+    assert runner.run_job(job_id, settings=settings, worker="w:1") == "succeeded"
+    assert failures == [2, 2, 2]
+    series = metric_series(settings, job_id)
+    assert set(series) == SFT_METRICS
+    assert all(steps == [1, 2, 3, 4] for steps in series.values())
+
+
+def test_a_job_survives_postgresql_dropping_its_connections(
+    postgresql_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As after a database restart: every connection of the pool is gone between two steps."""
+    settings = make_settings(postgresql_url, tmp_path)
+    job_id = create_job(settings, new_project(settings), sft_spec())
+
+    def drop_connections() -> None:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
+            name = postgresql_url.rsplit("/", 1)[1]
+            dropped = admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,)
+            ).fetchall()
+        assert dropped
+
+    hooked(monkeypatch, 2, drop_connections)
+    assert runner.run_job(job_id, settings=settings, worker="w:1") == "succeeded"
+    assert all(steps == [1, 2, 3, 4] for steps in metric_series(settings, job_id).values())
+
+
+def test_non_finite_metrics_become_one_warning(settings: Settings, project_id: str) -> None:
+    """NaN fits neither PostgreSQL's JSON nor a JSON response: the finite metrics are kept, the rest reported."""
+    job_id = create_job(settings, project_id, sft_spec())
+    with db.session_scope(settings.resolved_database_url) as session:
+        assert crud.claim_job(session, job_id=job_id, worker="w:1", lease_seconds=30)
+    callbacks = runner.DbCallbacks(job_id, settings=settings, worker="w:1", out_dir=Path("unused"))
+
+    callbacks.on_metrics(1, {"loss/sft": 1.5, "response/perplexity": float("inf")})
+    callbacks.on_metrics(2, {"loss/sft": 1.25, "response/perplexity": float("nan")})
+
+    assert metric_series(settings, job_id) == {"loss/sft": [1, 2]}
+    assert get_job(settings, job_id).latest_metrics == {"loss/sft": 1.25}
+    warnings = [e for e in events(settings, job_id) if e.kind == "warning"]
+    assert [(e.data["metric"], e.data["step"]) for e in warnings] == [("response/perplexity", 1)]
+
+
+def test_a_missing_dataset_file_fails_with_dataset_invalid(sqlite_settings: Settings) -> None:
+    settings = sqlite_settings
+    project_id = new_project(settings)
+    with db.session_scope(settings.resolved_database_url) as session:
+        file = crud.create_file(
+            session, file_id=f"file-{project_id[-8:]}", project_id=project_id, filename="gone.jsonl",
+            purpose="sft", size=10, rows=1, path="files/gone.jsonl",
+        )  # fmt: skip
+    job_id = create_job(settings, project_id, sft_spec(dataset=file.id))
+
+    assert runner.run_job(job_id, settings=settings, worker="w:1") == "failed"
+
+    job = get_job(settings, job_id)
+    assert job.error_code == "dataset_invalid"
+    assert job.error_message is not None and "gone.jsonl" in job.error_message
+    assert (job.worker, job.lease_until) == (None, None)
+    errors = [e for e in events(settings, job_id) if e.kind == "error"]
+    assert [e.data["code"] for e in errors] == ["dataset_invalid"]
+
+
+def test_an_unknown_local_model_fails_with_model_not_found(sqlite_url: str, tmp_path: Path) -> None:
+    settings = make_settings(sqlite_url, tmp_path, model_root=tmp_path / "models")
+    (tmp_path / "models").mkdir()
+    job_id = create_job(settings, new_project(settings), sft_spec(model=str(tmp_path / "models" / "nope")))
+
+    assert runner.run_job(job_id, settings=settings, worker="w:1") == "failed"
+    assert get_job(settings, job_id).error_code == "model_not_found"
+
+
+def test_a_job_reference_to_an_unfinished_job_fails_with_invalid_spec(sqlite_settings: Settings) -> None:
+    settings = sqlite_settings
+    project_id = new_project(settings)
+    unfinished = create_job(settings, project_id, sft_spec())
+    job_id = create_job(settings, project_id, sft_spec(model=f"job:{unfinished}"))
+
+    assert runner.run_job(job_id, settings=settings, worker="w:1") == "failed"
+    job = get_job(settings, job_id)
+    assert job.error_code == "invalid_spec"
+    assert job.error_message is not None and unfinished in job.error_message
+    assert get_job(settings, unfinished).status == "queued"
+
+
+def from_pretrained() -> None:
+    raise OSError("no such model")
+
+
+def raised(f: Callable[[], None]) -> BaseException:
+    try:
+        f()
+    except BaseException as e:
+        return e
+    raise AssertionError("did not raise")
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (DatasetError("line 3: field 'prompt' must be a non-empty string"), "dataset_invalid"),
+        (ModelNotFoundError("cannot load 'x'"), "model_not_found"),
+        (raised(from_pretrained), "model_not_found"),
+        (NonFiniteLossError("loss/sft is nan at step 3"), "non_finite_loss"),
+        (torch.cuda.OutOfMemoryError("CUDA out of memory"), "out_of_memory"),
+        (MemoryError(), "out_of_memory"),
+        (ValueError("max_new_tokens + a one-token prompt (200 tokens) exceeds the model's context"), "invalid_spec"),
+        (OSError(28, "No space left on device"), "internal_error"),
+        (RuntimeError("boom"), "internal_error"),
+    ],
+)
+def test_error_codes(error: BaseException, code: str) -> None:
+    assert runner.error_code(error) == code
