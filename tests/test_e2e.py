@@ -1,0 +1,149 @@
+"""End to end: a real ``rlhf serve`` (API, train and inference workers as processes) driven over HTTP."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.builtin import DATASETS
+from jobs.client import Client, ClientError
+from jobs.demo import embedded_server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Client, Path]]:
+    data_dir = tmp_path_factory.mktemp("server")
+    with embedded_server(data_dir, free_port()) as client:
+        yield client, data_dir
+
+
+def upload(c: Client, folder: Path, name: str, rows: int = 256) -> str:
+    kind, make_rows = DATASETS[name]
+    path = folder / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in make_rows()[:rows]))
+    return str(c.upload_file(path, kind)["id"])
+
+
+def wait_for(c: Client, job_id: str, done: Any, timeout: float = 240) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while not done(job := c.get_job(job_id)):
+        assert time.monotonic() < deadline, f"timed out waiting on {job_id}: {job['status']} step {job['step']}"
+        time.sleep(0.3)
+    return job
+
+
+def finished(job: dict[str, Any]) -> bool:
+    return job["status"] in ("succeeded", "failed", "cancelled")
+
+
+def test_pipeline_over_http(server: tuple[Client, Path], tmp_path: Path) -> None:
+    c, data_dir = server
+
+    # Files: a malformed line is refused with its number, nothing stored.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')
+    with pytest.raises(ClientError) as error:
+        c.upload_file(bad, "sft")
+    assert error.value.status == 422 and "line 2" in str(error.value)
+    files = {name: upload(c, tmp_path, name) for name in ("reviews-sft", "reviews-prefs", "reviews-prompts")}
+
+    # SFT, created twice with one idempotency key: one job.
+    sft_spec = {
+        "type": "sft",
+        "model": "builtin:tiny",
+        "dataset": files["reviews-sft"],
+        "hyperparameters": {"max_steps": 30, "batch_size": 16, "learning_rate": 3e-3},
+        "checkpoint_every": 10,
+    }
+    sft = c.create_job(sft_spec, idempotency_key="e2e-sft")
+    assert c.create_job(sft_spec, idempotency_key="e2e-sft")["id"] == sft["id"]
+
+    # The live stream delivers each step once; a reconnect from the middle repeats and loses nothing.
+    messages = list(c.stream(sft["id"]))
+    steps = [m.data["step"] for m in messages if m.event == "metrics"]
+    assert steps == list(range(1, 31))
+    assert messages[-1].event == "end"
+    middle = next(i for i, m in enumerate(messages) if m.event == "metrics" and m.data["step"] == 15)
+    resumed = list(c.stream(sft["id"], last_event_id=messages[middle].id))
+
+    def history(ms: list[Any], kind: str) -> list[Any]:  # the cursor orders metrics and events each by itself
+        return [m.data for m in ms if m.event == kind]
+
+    for kind in ("metrics", "event"):
+        assert history(resumed, kind) == history(messages[middle + 1 :], kind)
+    assert c.get_job(sft["id"])["status"] == "succeeded"
+
+    history = c.request("GET", f"/v1/jobs/{sft['id']}/metrics", params={"names": "loss/sft", "max_points": 5})
+    points = history["data"]["loss/sft"]
+    assert len(points) == 5 and points[0]["step"] == 1 and points[-1]["step"] == 30
+    checkpoints = c.request("GET", f"/v1/jobs/{sft['id']}/checkpoints")["data"]
+    assert [cp["step"] for cp in checkpoints] == [10, 20, 30]
+    generated = c.request("POST", f"/v1/jobs/{sft['id']}/generate", json={"prompts": ["we watched the film and"]})
+    assert generated["checkpoint"] == 30 and generated["completions"][0]["finish_reason"] in ("stop", "length")
+
+    # RM, then PPO chained by job: references.
+    rm = c.create_job(
+        {"type": "rm", "model": f"job:{sft['id']}", "dataset": files["reviews-prefs"],
+         "hyperparameters": {"max_steps": 15, "batch_size": 16}}
+    )  # fmt: skip
+    assert wait_for(c, rm["id"], finished)["status"] == "succeeded"
+    ppo_spec = {
+        "type": "ppo",
+        "model": f"job:{sft['id']}",
+        "reward_model": f"job:{rm['id']}",
+        "dataset": files["reviews-prompts"],
+        "hyperparameters": {"total_steps": 500, "batch_size": 8, "mini_batch_size": 8, "response_length": 12},
+        "checkpoint_every": 2,
+    }
+    ppo = c.create_job(ppo_spec)
+    wait_for(c, ppo["id"], lambda j: j["step"] >= 3)
+
+    # Generate from the running job's newest checkpoint, with reward-model scores.
+    live = c.request(
+        "POST", f"/v1/jobs/{ppo['id']}/generate", json={"prompts": ["i streamed the film and"], "score": True}
+    )
+    assert live["checkpoint"] >= 2 and isinstance(live["completions"][0]["score"], float)
+
+    # A job that has not succeeded cannot be a model; another project's key cannot see the job.
+    with pytest.raises(ClientError) as error:
+        c.create_job({**ppo_spec, "model": f"job:{ppo['id']}"})
+    assert error.value.status == 422 and error.value.code == "job_not_succeeded"
+    env = {**os.environ, "RLHF_DATA_DIR": str(data_dir)}
+    out = subprocess.run(
+        [sys.executable, "-m", "jobs.cli", "keys", "create", "--project", "other"],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    other = Client(c.url, json.loads(out.stdout.strip().splitlines()[-1])["api_key"])
+    with pytest.raises(ClientError) as error:
+        other.get_job(ppo["id"])
+    assert error.value.status == 404
+
+    # Pause, then resume: the job continues from its checkpoint, its step never goes back.
+    c.request("POST", f"/v1/jobs/{ppo['id']}/pause")
+    paused = wait_for(c, ppo["id"], lambda j: j["status"] == "paused")
+    c.request("POST", f"/v1/jobs/{ppo['id']}/resume")
+    wait_for(c, ppo["id"], lambda j: j["status"] == "running" and j["step"] >= paused["step"] + 2)
+    c.request("POST", f"/v1/jobs/{ppo['id']}/cancel")
+    cancelled = wait_for(c, ppo["id"], finished)
+    assert cancelled["status"] == "cancelled"
+    ppo_steps = [m.data["step"] for m in c.stream(ppo["id"]) if m.event == "metrics"]
+    assert ppo_steps == list(range(1, cancelled["step"] + 1))  # every step once, in order, across the pause
+
+    # Pagination over the three jobs, newest first.
+    first = c.request("GET", "/v1/jobs", params={"limit": 2})
+    second = c.request("GET", "/v1/jobs", params={"limit": 2, "after": first["data"][-1]["id"]})
+    assert first["has_more"] and not second["has_more"]
+    assert [j["id"] for j in first["data"] + second["data"]] == [ppo["id"], rm["id"], sft["id"]]
