@@ -147,3 +147,48 @@ def test_pipeline_over_http(server: tuple[Client, Path], tmp_path: Path) -> None
     second = c.request("GET", "/v1/jobs", params={"limit": 2, "after": first["data"][-1]["id"]})
     assert first["has_more"] and not second["has_more"]
     assert [j["id"] for j in first["data"] + second["data"]] == [ppo["id"], rm["id"], sft["id"]]
+
+
+def children_running(parent: int, marker: str) -> list[int]:
+    """Pids of ``parent``'s child processes whose command line contains ``marker``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and marker in cmdline:
+            found.append(int(proc.name))
+    return found
+
+
+def test_cli_client_and_worker_restart(server: tuple[Client, Path], tmp_path: Path) -> None:
+    c, data_dir = server
+    env = {**os.environ, "RLHF_DATA_DIR": str(data_dir)}
+
+    def rlhf(*args: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "jobs.cli", *args], env=env, capture_output=True, text=True, check=True
+        ).stdout
+
+    spec = tmp_path / "sft.json"
+    spec.write_text(json.dumps({"type": "sft", "model": "builtin:tiny", "dataset": "builtin:reviews-sft",
+                                "hyperparameters": {"max_steps": 4, "batch_size": 8}}))  # fmt: skip
+    job = json.loads(rlhf("submit", str(spec)).strip().splitlines()[-1])
+    wait_for(c, job["id"], finished)
+    assert job["id"] in rlhf("jobs", "list")
+    assert json.loads(rlhf("jobs", "get", job["id"]))["status"] == "succeeded"
+
+    # Kill the inference worker: `rlhf serve` starts a new one, and generation works again.
+    serve_pid = json.loads((data_dir / "server.json").read_text())["pid"]
+    [worker] = children_running(serve_pid, "--queues inference")
+    os.kill(worker, 9)
+    deadline = time.monotonic() + 60
+    while not (replacement := children_running(serve_pid, "--queues inference")) or replacement == [worker]:
+        assert time.monotonic() < deadline, "the inference worker was not restarted"
+        time.sleep(0.5)
+    line = rlhf("generate", job["id"], "we watched the film and it was").strip().splitlines()[-1]
+    assert json.loads(line)["checkpoint"] == 4
