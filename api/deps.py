@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import ApiError
 from jobs.store import crud
-from jobs.store.db import session_factory
+from jobs.store.db import session_scope
 from jobs.store.models import Project
 from jobs.store.settings import Settings
 
@@ -30,15 +30,8 @@ SettingsDep = Annotated[Settings, Depends(get_app_settings)]
 
 def get_session(settings: SettingsDep) -> Iterator[Session]:
     """A session per request: committed when the route returns, rolled back when it raises."""
-    session = session_factory(settings.resolved_database_url)()
-    try:
+    with session_scope(settings.resolved_database_url) as session:
         yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
 
 
 # scope="function": the session ends when the route returns, before the response is sent (a stream
