@@ -20,13 +20,21 @@ def _check_row(text: str, purpose: str, number: int) -> None:
         raise InvalidFile(str(e)) from None
 
 
-def count_rows(stream: BinaryIO, purpose: str) -> int:
+MAX_LINE_BYTES = 1024 * 1024
+"""Default cap on one line of an upload (``Settings.max_line_bytes``)."""
+
+
+def count_rows(stream: BinaryIO, purpose: str, max_line_bytes: int = MAX_LINE_BYTES) -> int:
     """The number of rows of a valid ``purpose`` dataset; raises InvalidFile at the first bad line.
 
-    Blank lines are skipped; a file with no rows is invalid.
+    Blank lines are skipped; a file with no rows is invalid. A line longer than ``max_line_bytes`` (its
+    LF or CRLF ending not counted) is refused without reading more of it than the cap.
     """
     number = rows = 0
-    for raw in stream:  # split at b"\n"; each piece is split again like str.splitlines() would
+    while raw := stream.readline(max_line_bytes + 2):  # split at b"\n"; each piece again like str.splitlines()
+        content = raw.removesuffix(b"\n").removesuffix(b"\r") if raw.endswith(b"\n") else raw
+        if len(content) > max_line_bytes:
+            raise InvalidFile(f"line {number + 1}: longer than the limit of {max_line_bytes} bytes")
         try:
             text, undecodable = raw.decode("utf-8"), False
         except UnicodeDecodeError:  # find the line: its undecodable bytes become lone surrogates

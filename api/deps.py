@@ -1,17 +1,21 @@
 """Dependency-injection aliases for the routes: settings, a database session, the caller's project,
 and the two ways work leaves the API (enqueue a job, wait for a generation), both replaceable in tests."""
 
-from collections.abc import Callable, Iterator
+import hmac
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Annotated, Any
 
+import anyio
+from anyio.lowlevel import RunVar
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
 from jobs.store import crud
 from jobs.store.db import session_scope
-from jobs.store.models import Project
+from jobs.store.models import ApiKey, Project
 from jobs.store.settings import Settings
 
 Enqueue = Callable[[str], None]
@@ -28,7 +32,24 @@ def get_app_settings(request: Request) -> Settings:
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
 
 
-def get_session(settings: SettingsDep) -> Iterator[Session]:
+DB_SLOTS = 20
+"""Requests holding a database session at once: below the pool (30) minus the stream pollers (8)."""
+_db_slots: RunVar[anyio.CapacityLimiter] = RunVar("db_slots")
+
+
+async def db_slot() -> AsyncIterator[None]:
+    """Wait for a database slot *before* taking a connection. Without it, a burst of requests can hold
+    every pooled connection while waiting for a request thread, and stall until the pool times out."""
+    try:
+        limiter = _db_slots.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(DB_SLOTS)
+        _db_slots.set(limiter)
+    async with limiter:
+        yield
+
+
+def get_session(settings: SettingsDep, _slot: Annotated[None, Depends(db_slot, scope="function")]) -> Iterator[Session]:
     """A session per request: committed when the route returns, rolled back when it raises."""
     with session_scope(settings.resolved_database_url) as session:
         yield session
@@ -41,19 +62,61 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 _bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer <key>`.")
 
 
+MAX_KEY_CHARS = 256
+"""Longer bearer tokens are refused unhashed (keys the service issues have 49 characters)."""
+
+
+def project_for_key(session: Session, key: str) -> Project | None:
+    """The project of an unrevoked key, or None.
+
+    Keys are stored only as SHA-256 digests and found by digest. The database's ``=`` on the indexed digest is
+    not constant-time, but what it compares is the digest of the presented key, which a caller cannot steer
+    byte by byte: how long the lookup takes says nothing usable about any stored key. The accept decision is
+    then made here with ``hmac.compare_digest`` (constant time in the compared bytes), so it never rests on a
+    database comparison that may be looser than byte equality (case-insensitive collations, blank padding).
+    """
+    digest = crud.hash_key(key)
+    row = session.scalars(select(ApiKey).where(ApiKey.key_hash == digest, ApiKey.revoked_at.is_(None))).first()
+    if row is None or not hmac.compare_digest(row.key_hash.encode(), digest.encode()):
+        return None
+    return session.get(Project, row.project_id)
+
+
 def get_current_project(
     session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Project:
+    """The caller's project. The key is never logged nor repeated in an error."""
     challenge = {"WWW-Authenticate": "Bearer"}
     if credentials is None:
         raise ApiError(401, "invalid_api_key", "missing API key: send 'Authorization: Bearer <key>'", headers=challenge)
-    project = crud.project_for_key(session, key=credentials.credentials)
+    key = credentials.credentials
+    project = project_for_key(session, key) if len(key) <= MAX_KEY_CHARS else None
     if project is None:
         raise ApiError(401, "invalid_api_key", "the API key is not valid", headers=challenge)
     return project
 
 
 CurrentProject = Annotated[Project, Depends(get_current_project)]
+
+
+def _declared_query(dependant: Any) -> set[str]:
+    names = {param.alias for param in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _declared_query(sub)
+    return names
+
+
+def reject_unknown_query(request: Request, _project: CurrentProject) -> None:
+    """422 for a query parameter the route does not declare (a typo like ``?limt=5`` is not silently ignored),
+    as unknown fields of a body are. Runs after authentication, so a caller without a key learns nothing."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None:
+        return
+    unknown = sorted(set(request.query_params) - _declared_query(dependant))
+    if unknown:
+        name = unknown[0][:100]
+        raise ApiError(422, "invalid_request", f"unknown query parameter {name!r}", param=name)
 
 
 def get_enqueue(request: Request) -> Enqueue:

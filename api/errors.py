@@ -27,10 +27,14 @@ _CODES = {
     404: "not_found",
     405: "method_not_allowed",
     409: "conflict",
-    413: "file_too_large",
+    413: "request_too_large",
+    415: "unsupported_media_type",
     422: "invalid_request",
+    500: "internal_error",
     503: "unavailable",
 }
+MAX_LISTED_ERRORS = 10
+"""A validation error's message lists this many problems at most."""
 
 
 class ErrorDetail(BaseModel):
@@ -46,6 +50,23 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+_DESCRIPTIONS = {
+    400: "The request could not be parsed (e.g. a malformed multipart body).",
+    401: "Missing, unknown or revoked API key.",
+    404: "No such object in the caller's project.",
+    409: "The request conflicts with the object's state.",
+    413: "The request body (or the uploaded file) is larger than the limit.",
+    422: "The request is invalid; `param` names the field at fault.",
+    500: "An unexpected error.",
+    503: "A service the request needs is unavailable.",
+}
+
+
+def error_responses(*status_codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` declaring these statuses as answered with the error envelope."""
+    return {code: {"model": ErrorResponse, "description": _DESCRIPTIONS[code]} for code in status_codes}
+
+
 class ApiError(Exception):
     """An error answered with the envelope: ``raise ApiError(404, "not_found", "no job 'job_x'")``."""
 
@@ -58,6 +79,19 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.headers = headers
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised while a request body is read, once it passes its size limit (see ``api.uploads``).
+
+    An HTTPException, because FastAPI passes those through from body parsing (any other error there
+    becomes a 400); it is answered 413 with its own ``code`` and ``param``.
+    """
+
+    def __init__(self, code: str, message: str, param: str | None) -> None:
+        super().__init__(413, message)
+        self.code = code
+        self.param = param
 
 
 def not_found(kind: str, object_id: str) -> ApiError:
@@ -81,10 +115,12 @@ def dotted(loc: Sequence[int | str]) -> str | None:
 
 def _message(errors: Sequence[Any]) -> str:
     parts = []
-    for e in errors:
+    for e in errors[:MAX_LISTED_ERRORS]:
         msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
         where = dotted(e.get("loc", ()))
         parts.append(f"{where}: {msg}" if where else msg)
+    if len(errors) > MAX_LISTED_ERRORS:
+        parts.append(f"and {len(errors) - MAX_LISTED_ERRORS} more")
     return "; ".join(parts) or "invalid request"
 
 
@@ -134,6 +170,8 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc, BodyTooLarge):
+        return error_response(413, exc.code, str(exc.detail), exc.param)
     code = _CODES.get(exc.status_code, "error")
     return error_response(exc.status_code, code, str(exc.detail), None, dict(exc.headers or {}))
 

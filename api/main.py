@@ -6,15 +6,16 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
-from api.deps import Enqueue, Generate
-from api.errors import ErrorResponse, install_error_handlers
+from api.deps import Enqueue, Generate, reject_unknown_query
+from api.errors import error_responses, install_error_handlers
 from api.queue import celery_enqueue, celery_generate
 from api.recovery import RecoveryThread
 from api.routes import files, generate, health, jobs, stream
-from api.uploads import UploadSizeLimit
+from api.uploads import BodySizeLimit
 from engine.config import JobSpec
 from jobs.celery_app import celery_app, make_celery
 from jobs.store.settings import Settings, get_settings
@@ -75,11 +76,23 @@ def create_app(
     app.state.poll_interval = poll_interval
     app.state.heartbeat_interval = heartbeat_interval
     install_error_handlers(app)
-    app.add_middleware(UploadSizeLimit, path="/v1/files", max_bytes=settings.max_upload_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        upload_path="/v1/files",
+        max_upload_bytes=settings.max_upload_bytes,
+        max_request_bytes=settings.max_request_bytes,
+    )
+    if settings.cors_origins:  # closed by default: without the headers, browsers refuse cross-origin calls
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID"],
+            allow_credentials=False,  # keys travel in the Authorization header, never in cookies
+        )
 
     v1 = APIRouter(
-        prefix="/v1",
-        responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}},
+        prefix="/v1", responses=error_responses(401, 404, 413, 422), dependencies=[Depends(reject_unknown_query)]
     )
     for module in (files, jobs, stream, generate):
         v1.include_router(module.router)

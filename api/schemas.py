@@ -1,5 +1,6 @@
 """Request and response bodies of the HTTP API (DESIGN §4). Job specs are ``engine.config.JobSpec``."""
 
+import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -15,6 +16,22 @@ def _as_utc(value: datetime) -> datetime:
 
 UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
 """A timestamp serialised as ISO 8601 in UTC (``2026-01-02T03:04:05.123456Z``)."""
+
+ID_PATTERN = r"^[A-Za-z0-9_-]+$"
+"""What every object id (``job_…``, ``file-…``) looks like."""
+_ID = re.compile(ID_PATTERN)
+
+
+def looks_like_id(value: str) -> bool:
+    """Whether ``value`` could be an object id; anything else names no object (and is never sent to the
+    database: PostgreSQL refuses NUL characters, for one)."""
+    return len(value) <= 64 and _ID.fullmatch(value) is not None
+
+
+MAX_INT32 = 2**31 - 1
+"""Largest step number (an INTEGER column)."""
+MAX_INT64 = 2**63 - 1
+"""Largest row id (a BIGINT column)."""
 
 Purpose = Literal["sft", "rm", "ppo"]
 JobType = Literal["sft", "rm", "ppo"]
@@ -158,10 +175,18 @@ class CheckpointsPublic(BaseModel):
 
 # --- generation --------------------------------------------------------------------------------
 
+MAX_PROMPTS = 64
+"""Prompts per generate request."""
+MAX_PROMPT_CHARS = 8192
+"""Characters per prompt (longer prompts would be truncated to the model's context anyway)."""
+MAX_NEW_TOKENS = 512
+"""Tokens sampled per completion at most."""
+
 
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
+        strict=True,  # JSON types as declared: no "3" for 3, no 0 for false
         use_attribute_docstrings=True,
         json_schema_extra={
             "examples": [
@@ -170,11 +195,14 @@ class GenerateRequest(BaseModel):
         },
     )
 
-    prompts: Annotated[list[str], Field(min_length=1, max_length=64)]
-    """Prompts to complete (1 to 64)."""
-    checkpoint: Literal["latest"] | Annotated[int, Field(ge=0)] = "latest"
+    prompts: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]],
+        Field(min_length=1, max_length=MAX_PROMPTS),
+    ]
+    """Prompts to complete: 1 to 64, each 1 to 8192 characters."""
+    checkpoint: Literal["latest"] | Annotated[int, Field(ge=0, le=MAX_INT32)] = "latest"
     """The checkpoint step to sample from, or ``latest``."""
-    max_new_tokens: Annotated[int, Field(ge=1, le=512)] = 32
+    max_new_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)] = 32
     """Most tokens sampled per completion."""
     temperature: Annotated[float, Field(ge=0, le=5)] = 0.7
     """Sampling temperature (0: greedy)."""

@@ -1,8 +1,17 @@
 """Checkpoints: ``<out>/checkpoints/step-N/`` with ``policy/`` (and ``value/`` for PPO) in Hugging Face
-format and ``trainer_state.pt`` (optimizer, scheduler, RNG, controllers, step). Written to a temporary
-folder and renamed, so a crash never leaves a half-written ``step-N``.
+format and ``trainer_state.pt`` (optimizer, scheduler, RNG, controllers, step).
+
+A crash (a killed worker, a lost machine) never leaves a half-written or half-deleted ``step-N``:
+
+- a checkpoint is written to a hidden temporary folder ``.step-N-*``, flushed to disk, and renamed to
+  ``step-N`` (atomic), ``trainer_state.pt`` being its last file;
+- a checkpoint is deleted (retention, or replaced by a re-run of its step) by renaming it to a hidden
+  ``.trash-step-N-*`` first, then removing that;
+- hidden folders a crash left behind are removed by the next :func:`save_checkpoint` (or
+  :func:`remove_stale_temporaries`), and :func:`list_checkpoints` never lists them.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -21,6 +30,10 @@ from engine.models import save_model
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.pt"
 JOB_FILE = "job.json"
+TEMP_PREFIX = ".step-"
+"""A checkpoint being written: ``.step-N-<random>``."""
+TRASH_PREFIX = ".trash-"
+"""A checkpoint being deleted: ``.trash-step-N-<random>``."""
 
 
 def checkpoints_dir(out_dir: Path) -> Path:
@@ -28,17 +41,44 @@ def checkpoints_dir(out_dir: Path) -> Path:
 
 
 def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints as (step, path), oldest first."""
+    """Complete checkpoints as (step, path), oldest first: ``step-N`` folders holding their trainer state
+    (never the hidden folders of a checkpoint being written or deleted)."""
     root = checkpoints_dir(out_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
+    ]
     return sorted(found)
 
 
 def latest_checkpoint(out_dir: Path) -> tuple[int, Path] | None:
     found = list_checkpoints(out_dir)
     return found[-1] if found else None
+
+
+def remove_stale_temporaries(out_dir: Path) -> list[str]:
+    """Delete what a crash left in the checkpoints folder: half-written ``.step-N-*`` and half-deleted
+    ``.trash-*`` folders. Only the job's owner calls this (one writer per job folder). Returns their names."""
+    root = checkpoints_dir(out_dir)
+    if not root.is_dir():
+        return []
+    stale = sorted(p for p in root.iterdir() if p.name.startswith((TEMP_PREFIX, TRASH_PREFIX)))
+    for path in stale:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return [p.name for p in stale]
+
+
+def delete_checkpoint(path: Path) -> None:
+    """Remove a checkpoint folder: renamed out of sight first (atomic), so a crash midway leaves a hidden
+    ``.trash-*`` folder, never a partial ``step-N``."""
+    trash = Path(tempfile.mkdtemp(prefix=f"{TRASH_PREFIX}{path.name}-", dir=path.parent))
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(path, trash / path.name)  # into the fresh empty folder: a rename, whatever the name
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def save_checkpoint(
@@ -52,21 +92,49 @@ def save_checkpoint(
     """Write ``step-N`` atomically, then delete all but the newest ``keep`` checkpoints."""
     root = checkpoints_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out_dir)  # left by a crash of an earlier run of this job
     final = root / f"step-{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{step}-", dir=root))
     try:
         for name, model in models.items():
             save_model(model, tokenizer, tmp / name)
-        torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
+        torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)  # last: marks it complete
+        _sync_tree(tmp)  # on disk before it is named, so a lost machine cannot leave a renamed empty file
         if final.exists():  # a re-run of the same step (e.g. a redelivered job): replace it
-            shutil.rmtree(final)
+            delete_checkpoint(final)
         os.replace(tmp, final)
+        _sync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for _, old in list_checkpoints(out_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        delete_checkpoint(old)
     return final
+
+
+def _sync_tree(folder: Path) -> None:
+    """fsync every file under ``folder``, then the folders themselves."""
+    for dirpath, _, filenames in os.walk(folder):
+        for filename in filenames:
+            fd = os.open(os.path.join(dirpath, filename), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _sync_dir(Path(dirpath))
+
+
+def _sync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform without directory handles (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -22,6 +23,25 @@ from engine.builtin import DATASETS
 
 JobType = Literal["sft", "rm", "ppo"]
 Scheduler = Literal["constant", "linear", "cosine"]
+
+
+def _clean_text(value: str) -> str:
+    """Refuse NUL and other control characters (tab and newline aside) and lone surrogates: text a database
+    cannot store or a log would garble."""
+    for char in value:
+        if (ord(char) < 32 and char not in "\t\n\r") or ord(char) == 127 or 0xD800 <= ord(char) <= 0xDFFF:
+            raise ValueError(f"control characters and lone surrogates are not allowed (found {char!r})")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_clean_text)]
+"""A free-form string of a spec (a label, a metadata entry)."""
+
+LORA_MAX_MODULES = 64
+_MODULE_NAME = re.compile(r"^[A-Za-z0-9_.]{1,200}$")
+METADATA_MAX_KEYS = 16
+METADATA_MAX_KEY_CHARS = 64
+METADATA_MAX_VALUE_CHARS = 512
 
 
 class _Strict(BaseModel):
@@ -66,7 +86,7 @@ class SFTConfig(TrainConfig):
     """Passes over the dataset; fractions allowed. Ignored when ``max_steps`` is set."""
     max_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     """Total optimizer steps, overriding ``epochs``."""
-    eval_every: Annotated[int, Field(ge=1)] | None = None
+    eval_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     """Compute ``eval/loss`` every this many steps (and at the end) when an eval dataset is given."""
 
     @property
@@ -155,7 +175,7 @@ class PPOConfig(TrainConfig):
     """First steps that train only the critic (policy frozen)."""
     target_approxkl: Annotated[float, Field(gt=0, le=1000)] | None = None
     """Stop a step's remaining PPO epochs once a minibatch's approx-KL exceeds this."""
-    eval_every: Annotated[int, Field(ge=1)] | None = None
+    eval_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     """With an eval dataset: sample its prompts every this many steps (and at the end) and report
     ``eval/scores``, ``eval/kl`` and ``eval/length_mean``."""
     eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
@@ -192,20 +212,40 @@ class LoraSpec(_Strict):
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     """Dropout on the adapter input."""
     target_modules: Literal["auto"] | list[str] = "auto"
-    """Module names to adapt, or "auto" for the attention and MLP projections."""
+    """Module names to adapt (1 to 64 names of letters, digits, ``_`` and ``.``, e.g. ``["c_attn"]``), or "auto"
+    for the attention and MLP projections."""
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _module_names(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        if not isinstance(value, list):
+            raise ValueError("'auto' or a list of module names")
+        if not 1 <= len(value) <= LORA_MAX_MODULES:
+            raise ValueError(f"1 to {LORA_MAX_MODULES} module names, not {len(value)}")
+        for name in value:
+            if not isinstance(name, str) or not _MODULE_NAME.match(name):
+                raise ValueError(f"not a module name: {str(name)[:50]!r} (letters, digits, '_' and '.', 1 to 200)")
+        return value
 
 
 HYPERPARAMETERS: dict[str, type[TrainConfig]] = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig}
-_MODEL_REF = re.compile(r"^(builtin:[a-z0-9-]+|job:[A-Za-z0-9_-]+(@\d+)?|[^\s]+)$")
-_DATASET_REF = re.compile(r"^(builtin:[a-z0-9-]+|file-[A-Za-z0-9_-]+|[^\s]+\.jsonl)$")
+# A path or hub id is any run of printable characters without spaces.
+_MODEL_REF = re.compile(r"^(builtin:[a-z0-9-]+|job:[A-Za-z0-9_-]+(@\d+)?|[^\s\x00-\x1f\x7f\ud800-\udfff]+)$")
+_DATASET_REF = re.compile(r"^(builtin:[a-z0-9-]+|file-[A-Za-z0-9_-]+|[^\s\x00-\x1f\x7f\ud800-\udfff]+\.jsonl)$")
 
 
 class JobSpec(_Strict):
-    """The body of ``POST /v1/jobs`` (DESIGN §2) and of ``rlhf train SPEC``."""
+    """The body of ``POST /v1/jobs`` (DESIGN §2) and of ``rlhf train SPEC``.
+
+    Unknown fields are refused at every level, so nothing outside this schema (``trust_remote_code``, for one)
+    reaches the engine; models always load with ``trust_remote_code=False``.
+    """
 
     type: JobType
     """Job type: sft, rm or ppo."""
-    name: Annotated[str, Field(max_length=200)] | None = None
+    name: Annotated[str, Field(max_length=200), AfterValidator(_clean_text)] | None = None
     """Optional label."""
     model: Annotated[str, Field(min_length=1, max_length=500)]
     """Starting model: builtin:tiny, job:<id>[@<step>], a hub id or a local path."""
@@ -225,8 +265,8 @@ class JobSpec(_Strict):
     """Save a checkpoint every this many steps (and always at the end)."""
     keep_checkpoints: Annotated[int, Field(ge=1, le=1000)] = 3
     """How many of the newest checkpoints to keep; the final one is always the newest."""
-    metadata: dict[str, str] = Field(default_factory=dict)
-    """Free-form string labels (at most 16 keys, 64-char keys, 512-char values)."""
+    metadata: dict[Text, Text] = Field(default_factory=dict)
+    """Free-form string labels: at most 16 keys of 1 to 64 characters, values up to 512 characters."""
 
     @field_validator("model", "reward_model")
     @classmethod
@@ -256,8 +296,16 @@ class JobSpec(_Strict):
     @field_validator("metadata")
     @classmethod
     def _metadata_bounded(cls, value: dict[str, str]) -> dict[str, str]:
-        if len(value) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in value.items()):
-            raise ValueError("at most 16 keys, keys up to 64 and values up to 512 characters")
+        if len(value) > METADATA_MAX_KEYS:
+            raise ValueError(f"at most {METADATA_MAX_KEYS} keys, not {len(value)}")
+        for key, item in value.items():
+            if not 1 <= len(key) <= METADATA_MAX_KEY_CHARS:
+                shown = repr(key[:20]) + ("…" if len(key) > 20 else "")
+                raise ValueError(f"key {shown} has {len(key)} characters; keys have 1 to {METADATA_MAX_KEY_CHARS}")
+            if len(item) > METADATA_MAX_VALUE_CHARS:
+                raise ValueError(
+                    f"the value of {key!r} has {len(item)} characters; values have at most {METADATA_MAX_VALUE_CHARS}"
+                )
         return value
 
     @model_validator(mode="after")

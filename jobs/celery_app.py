@@ -2,7 +2,8 @@
 
 Long jobs (DESIGN §2): acks late and rejected on a lost worker so a crash redelivers the task, one
 message prefetched per worker, results ignored for training (the jobs table is the truth), and a
-visibility timeout longer than any job so Redis never hands a running job to a second worker.
+visibility timeout longer than any job so Redis never hands a running job to a second worker, and a
+worker that outlives a lost broker connection, its task included.
 """
 
 import kombu.transport.sqlalchemy
@@ -38,6 +39,12 @@ def make_celery(settings: Settings) -> Celery:
         },
         result_expires=3600,
         broker_connection_retry_on_startup=True,
+        # A lost broker connection (Redis restarting) must not end the training job running meanwhile:
+        # the worker reconnects, forever, and keeps the task (Celery 6 would cancel it by default). Its
+        # ack may then fail and the message come again: the claim guard makes that a no-op.
+        broker_connection_retry=True,
+        broker_connection_max_retries=None,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_hijack_root_logger=False,
     )
     if settings.resolved_broker_url.startswith(("redis://", "rediss://")):

@@ -6,6 +6,7 @@ Local:   rlhf train SPEC --out DIR | rlhf generate --model DIR --prompt TEXT | r
 """
 
 import argparse
+import ipaddress
 import json
 import logging
 import os
@@ -59,18 +60,42 @@ def orphaned_jobs_to_queue(settings: Settings) -> None:
         session.execute(update(Job).where(Job.status.in_(ACTIVE_STATUSES)).values(lease_until=utcnow()))
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is ``localhost`` or a loopback address (127.0.0.0/8, ::1)."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind_address(host: str, allow_remote: bool) -> None:
+    """Refuse to listen beyond this machine unless explicitly allowed (``--allow-remote`` or
+    ``RLHF_ALLOW_REMOTE=true``). Every request needs an API key either way: this is about opting in."""
+    if is_loopback(host) or allow_remote:
+        return
+    raise SystemExit(
+        f"error: refusing to listen on {host!r}: it is not a loopback address, so other machines could reach the "
+        "API. Pass --allow-remote (or set RLHF_ALLOW_REMOTE=true) to allow it, or use --host 127.0.0.1."
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     data_dir = args.data_dir.resolve()
     os.environ["RLHF_DATA_DIR"] = str(data_dir)
     get_settings.cache_clear()
     settings = get_settings()
+    allow_remote = args.allow_remote or settings.allow_remote
+    check_bind_address(args.host, allow_remote)
     upgrade_database(settings)
     ensure_key_file(settings)
     orphaned_jobs_to_queue(settings)
     url = f"http://{args.host}:{args.port}"
     env = {**os.environ, "RLHF_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
     commands = {
-        "api": [sys.executable, "-m", "jobs.cli", "api", "--host", args.host, "--port", str(args.port)],
+        "api": [sys.executable, "-m", "jobs.cli", "api", "--host", args.host, "--port", str(args.port)]
+        + (["--allow-remote"] if allow_remote else []),
         "train worker": [sys.executable, "-m", "jobs.cli", "worker", "--queues", "train"],
         "inference worker": [sys.executable, "-m", "jobs.cli", "worker", "--queues", "inference"],
     }
@@ -111,7 +136,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_api(args: argparse.Namespace) -> None:
     import uvicorn
 
-    get_settings().check()
+    settings = get_settings()
+    check_bind_address(args.host, args.allow_remote or settings.allow_remote)
+    settings.check()
     uvicorn.run("api.main:app", host=args.host, port=args.port, log_level="warning")
 
 
@@ -239,15 +266,22 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--api-key", help="API key (default: RLHF_API_KEY, or the embedded server's key file)")
         return p
 
+    def bind_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+        p.add_argument("--port", type=int, default=8000)
+        p.add_argument(
+            "--allow-remote",
+            action="store_true",
+            help="allow a non-loopback --host such as 0.0.0.0 (also RLHF_ALLOW_REMOTE=true)",
+        )
+
     p = sub.add_parser("serve", help="embedded server: SQLite database and broker, API, train and inference worker")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    bind_args(p)
     p.add_argument("--data-dir", type=Path, default=Path("rlhf-data"))
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("api", help="the HTTP API alone (production: behind a proxy)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    bind_args(p)
     p.set_defaults(func=cmd_api)
 
     p = sub.add_parser("worker", help="a Celery worker: --queues train (one per GPU) or inference")

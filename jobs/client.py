@@ -14,6 +14,14 @@ from jobs.store.settings import Settings
 SERVER_FILE = "server.json"
 KEY_FILE = "api-key"
 FINAL = ("succeeded", "failed", "cancelled")
+STREAM_RECONNECT_S = 120.0
+"""How long :meth:`Client.stream` keeps trying to reconnect after the stream last worked."""
+STREAM_RETRY_FIRST_S = 0.2
+STREAM_RETRY_MAX_S = 2.0
+"""Pause before the first reconnect, doubled each try up to this."""
+STREAM_TIMEOUT = httpx.Timeout(10.0, read=60.0)
+"""The server sends a keep-alive comment at least every 15 s: a minute of silence is a dead connection."""
+RETRY_STATUSES = (502, 503, 504)
 
 
 class ClientError(RuntimeError):
@@ -71,22 +79,58 @@ class Client:
     def get_job(self, job_id: str) -> dict[str, Any]:
         return self.request("GET", f"/v1/jobs/{job_id}")
 
-    def stream(self, job_id: str, last_event_id: str | None = None) -> Iterator[SseMessage]:
-        """The job's SSE stream until ``end``; reconnects with ``Last-Event-ID`` if the connection drops."""
+    def stream(
+        self, job_id: str, last_event_id: str | None = None, *, reconnect_for: float = STREAM_RECONNECT_S
+    ) -> Iterator[SseMessage]:
+        """The job's SSE stream until ``end``. A dropped connection (the API restarting, a proxy timing out)
+        is opened again with ``Last-Event-ID``, so each message arrives once. Connection errors, a stream
+        closed before ``end`` and 502, 503 and 504 answers are retried with a growing pause for up to
+        ``reconnect_for`` seconds after the server last sent anything (a message or a keep-alive comment); then
+        :class:`ClientError` (503) is raised."""
+        headers = {"Accept": "text/event-stream", "Cache-Control": "no-cache"}
+        delay = STREAM_RETRY_FIRST_S
+        ok_since = time.monotonic()
+        """When the server last sent a line (or the call began): the reconnect budget counts from here."""
+
+        def lines(response: httpx.Response) -> Iterator[str]:
+            nonlocal ok_since
+            for line in response.iter_lines():
+                ok_since = time.monotonic()
+                yield line
+
         while True:
-            headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+            if last_event_id:
+                headers["Last-Event-ID"] = last_event_id
             try:
-                with self.http.stream("GET", f"/v1/jobs/{job_id}/stream", headers=headers, timeout=None) as response:
+                with self.http.stream(
+                    "GET", f"/v1/jobs/{job_id}/stream", headers=headers, timeout=STREAM_TIMEOUT
+                ) as response:
+                    if response.status_code in RETRY_STATUSES:
+                        raise _Unavailable(response.status_code)
                     if response.is_error:
                         response.read()
                         self.request("GET", f"/v1/jobs/{job_id}")  # raises the API's error
-                    for message in parse_sse(response.iter_lines()):
-                        last_event_id = message.id or last_event_id
+                        raise ClientError(response.status_code, "http_error", response.text[:500])
+                    for message in parse_sse(lines(response)):
+                        last_event_id, delay = message.id or last_event_id, STREAM_RETRY_FIRST_S
                         yield message
+                        ok_since = time.monotonic()  # the caller's time with the message does not count
                         if message.event == "end":
                             return
-            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectError):
-                time.sleep(1.0)
+                error: Exception = _Unavailable(None)  # closed before ``end`` (e.g. the server shutting down)
+            except (httpx.TransportError, _Unavailable) as e:
+                error = e
+            if time.monotonic() - ok_since > reconnect_for:
+                raise ClientError(503, "stream_unavailable", f"the stream of {job_id} broke off: {error!r}") from error
+            time.sleep(delay)
+            delay = min(delay * 2, STREAM_RETRY_MAX_S)
+
+
+class _Unavailable(Exception):
+    """A 502/503/504 answer to a stream request, or a stream closed before ``end``: worth trying again."""
+
+    def __init__(self, status: int | None) -> None:
+        super().__init__(f"HTTP {status}" if status else "the stream closed before its end message")
 
 
 def parse_sse(lines: Iterator[str]) -> Iterator[SseMessage]:

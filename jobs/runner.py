@@ -3,6 +3,14 @@ reports, and record how it ended. The Celery task in tasks.py is a thin wrapper 
 
 Every database write goes through a transaction that first renews the job's lease (a heartbeat), so a
 worker that lost its job — recovered by someone else after its lease ran out — writes nothing more.
+
+A job resumed after its worker was lost starts again from its newest checkpoint: the metrics the lost
+worker recorded for later steps are deleted and computed again, so the history holds every step once,
+with the values of the run that produced the final weights.
+
+A worker asked to stop (SIGTERM, Ctrl-C: :data:`stopping`) does not hold its shutdown up until the job
+ends: the job finishes its current step, checkpoints and goes back to the queue (``queued``, the same
+attempt: nothing was lost), and the task sends it to another worker.
 """
 
 import gc
@@ -72,6 +80,11 @@ def in_transaction(url: str, work: Callable[[Session], T], retry: RetryPolicy | 
     raise AssertionError("unreachable")
 
 
+stopping = threading.Event()
+"""Set when this worker process is asked to shut down (by tasks.py, on Celery's ``worker_shutting_down``):
+the running job stops after its current step, with a checkpoint, and is handed back to the queue."""
+
+
 class LeaseLostError(RuntimeError):
     """The job is no longer this worker's (its lease ran out and it was recovered, or it was taken away)."""
 
@@ -92,6 +105,11 @@ def paused() -> list[Outcome]:
 
 def cancelled() -> list[Outcome]:
     return [(ACTIVE_STATUSES, "cancelled", {"finished_at": utcnow()})]
+
+
+def handed_back() -> list[Outcome]:
+    """Back to the queue for another worker, the attempt unchanged; a pause or cancel asked meanwhile wins."""
+    return [(("running",), "queued", {}), *paused()]
 
 
 def failed(code: str, message: str) -> list[Outcome]:
@@ -122,11 +140,23 @@ class DbCallbacks(Callbacks):
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         """Metric names already reported as non-finite."""
+        self.handing_back = False
+        """The engine was asked to stop because this worker is shutting down (see :data:`stopping`)."""
 
     # --- what the engine calls -----------------------------------------------------------------
 
     def on_start(self, start_step: int, total_steps: int) -> None:
-        self._commit(lambda s: crud.set_job_progress(s, job_id=self.job_id, step=start_step, total_steps=total_steps))
+        def write(session: Session) -> None:
+            crud.set_job_progress(session, job_id=self.job_id, step=start_step, total_steps=total_steps)
+            # Steps a lost worker got past its last checkpoint: computed again from here, so recorded again.
+            discarded = crud.forget_metrics_after(session, job_id=self.job_id, step=start_step)
+            if discarded:
+                message = (f"metrics of steps {discarded[0]}-{discarded[-1]} discarded: recorded after the last "
+                           f"checkpoint (step {start_step}), they are computed again")  # fmt: skip
+                data = {"from_step": discarded[0], "to_step": discarded[-1], "checkpoint_step": start_step}
+                crud.add_event(session, job_id=self.job_id, kind="info", message=message, data=data)
+
+        self._commit(write)
 
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
         values = self._finite(step, metrics)
@@ -152,6 +182,9 @@ class DbCallbacks(Callbacks):
             return "cancel"
         if self.status == "pausing":
             return "pause"
+        if stopping.is_set():
+            self.handing_back = True
+            return "pause"  # a checkpoint now; the job goes back to the queue rather than to paused
         return None
 
     # --- lease and writes ----------------------------------------------------------------------
@@ -295,10 +328,13 @@ def run_job(job_id: str, *, settings: Settings, worker: str) -> str:
     """Run job ``job_id`` if it is queued, as ``worker``; returns the job's status afterwards.
 
     Idempotent: a job that is not queued (running elsewhere, finished, cancelled) is left alone, so a
-    redelivered task does nothing. A job resumes from the newest checkpoint in its folder.
+    redelivered task does nothing. A job resumes from the newest checkpoint in its folder. ``queued``
+    afterwards means the worker is shutting down and handed the job back: the caller enqueues it again.
     """
     url = settings.resolved_database_url
     artifacts = settings.resolved_artifacts_dir
+    if stopping.is_set():  # received while shutting down: leave it queued, for the caller to send on
+        return in_transaction(url, lambda s: _status(s, job_id))
 
     # 1. claim the job: queued → running, leased to this worker
     def claim(session: Session) -> tuple[bool, str]:
@@ -307,7 +343,10 @@ def run_job(job_id: str, *, settings: Settings, worker: str) -> str:
         if claimed and job is not None:
             crud.add_event(session, job_id=job_id, kind="info", message=f"running on {worker}, attempt {job.attempt}",
                            data={"worker": worker, "attempt": job.attempt})  # fmt: skip
-        return claimed, job.status if job is not None else "missing"
+        if job is None:
+            return False, "missing"
+        # Already ours: a retry of this claim, whose commit went through before the connection dropped.
+        return claimed or (job.status == "running" and job.worker == worker), job.status
 
     claimed, status = in_transaction(url, claim)
     if not claimed:
@@ -353,6 +392,9 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
     log.info("job %s: %s at step %d", job_id, result.status, result.step)
     if result.status == "succeeded":
         return succeeded(result.step), None
+    if result.status == "paused" and callbacks.handing_back:
+        message = f"{callbacks.worker} is shutting down: stopped at step {result.step} with a checkpoint; requeued"
+        return handed_back(), ("info", message, {"step": result.step, "worker": callbacks.worker})
     if result.status == "paused":
         return paused(), None
     return cancelled(), None

@@ -3,6 +3,10 @@ the settings and call runner.py or inference.py, which hold the logic.
 
 Workers also recover jobs whose worker was lost: once when they start (a restarted embedded server
 resumes its jobs) and then every half lease from a background thread.
+
+A worker asked to stop (SIGTERM, Ctrl-C; Celery's warm shutdown waits for the running task) tells the
+runner, which stops the job after its current step with a checkpoint and hands it back to the queue; the
+task then sends it again, for another worker (or this one's successor) to continue.
 """
 
 import logging
@@ -12,7 +16,7 @@ import threading
 from typing import Any
 
 from celery import Task
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from sqlalchemy.exc import DBAPIError
 
 from jobs import inference, runner
@@ -58,7 +62,7 @@ def worker_name() -> str:
 @celery_app.task(name=RUN_JOB_TASK, bind=True, acks_late=True, ignore_result=True, max_retries=DB_DOWN_RETRIES)
 def run_job(self: Task, job_id: str) -> str:
     try:
-        return runner.run_job(job_id, settings=current_settings(), worker=worker_name())
+        status = runner.run_job(job_id, settings=current_settings(), worker=worker_name())
     except DBAPIError as e:
         if not runner.is_transient(e):
             raise
@@ -66,6 +70,10 @@ def run_job(self: Task, job_id: str) -> str:
         # dropped. (A job left running is recovered once its lease runs out.)
         log.warning("job %s: database unavailable; trying again in %d s", job_id, DB_DOWN_RETRY_S)
         raise self.retry(exc=e, countdown=DB_DOWN_RETRY_S) from e
+    if status == "queued" and runner.stopping.is_set():  # handed back (committed): send it on
+        celery_app.send_task(RUN_JOB_TASK, args=[job_id])
+        log.info("job %s: handed back to the queue", job_id)
+    return status
 
 
 @celery_app.task(name=GENERATE_TASK)
@@ -128,6 +136,12 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     _recover_quietly(settings)
     _recovery = RecoveryLoop(settings, max(1.0, settings.lease_seconds / 2))
     _recovery.start()
+
+
+@worker_shutting_down.connect
+def _on_worker_shutting_down(**_: Any) -> None:
+    """Runs in the signal handler of SIGTERM, SIGINT or SIGQUIT: only sets a flag."""
+    runner.stopping.set()
 
 
 @worker_shutdown.connect

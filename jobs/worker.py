@@ -10,7 +10,9 @@ import argparse
 import logging
 import os
 import socket
+import time
 
+from sqlalchemy.exc import IntegrityError, OperationalError
 from transformers.utils import logging as hf_logging
 
 from jobs import tasks
@@ -41,10 +43,29 @@ def worker_argv(queues: list[str], concurrency: int = 1, loglevel: str = "INFO")
     ]
 
 
+def declare_queues(queues: list[str], tries: int = 3) -> None:
+    """Create ``queues`` on the embedded broker before consuming them. kombu's SQLAlchemy transport creates
+    its tables and a queue's row on first use, guarded only within one process: of two workers starting
+    together on a fresh broker, one would die of "already exists". Here the loser tries again."""
+    if not str(celery_app.conf.broker_url).startswith("sqla+"):
+        return
+    for attempt in range(1, tries + 1):
+        try:
+            with celery_app.connection_for_write() as connection:
+                for queue in queues:
+                    connection.default_channel.queue_declare(queue=queue, durable=True, auto_delete=False)
+            return
+        except (IntegrityError, OperationalError):
+            if attempt == tries:
+                raise
+            time.sleep(0.2 * attempt)
+
+
 def start_worker(
     queues: list[str], settings: Settings | None = None, concurrency: int = 1, loglevel: str = "INFO"
 ) -> None:
-    """Consume ``queues`` until the worker is shut down (SIGTERM or Ctrl-C: it finishes its current task)."""
+    """Consume ``queues`` until the worker is shut down (SIGTERM or Ctrl-C). A generate request in progress
+    finishes; a training job stops after its current step, with a checkpoint, and goes back to the queue."""
     argv = worker_argv(queues, concurrency, loglevel)
     settings = settings or get_settings()
     settings.check()
@@ -52,6 +73,7 @@ def start_worker(
     logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     hf_logging.disable_progress_bar()  # tqdm bars would reach the log as warnings, one per checkpoint
     tasks.configure(settings)
+    declare_queues(queues)
     celery_app.worker_main(argv)
 
 

@@ -10,14 +10,14 @@ from fastapi import APIRouter, File, Form, Query, UploadFile
 
 from api.datasets import InvalidFile, count_rows
 from api.deps import CurrentProject, SessionDep, SettingsDep
-from api.errors import ApiError, not_found
-from api.schemas import FilePublic, FilesPublic, Purpose
+from api.errors import ApiError, error_responses, not_found
+from api.schemas import ID_PATTERN, FilePublic, FilesPublic, Purpose, looks_like_id
 from jobs.store import crud
 
 router = APIRouter(prefix="/files", tags=["files"])
 
 
-@router.post("", status_code=201)
+@router.post("", status_code=201, responses=error_responses(400))
 def upload_file(
     session: SessionDep,
     settings: SettingsDep,
@@ -28,7 +28,9 @@ def upload_file(
         Form(description="Row kind: `sft` {prompt, completion}, `rm` {prompt, chosen, rejected}, `ppo` {prompt}."),
     ],
 ) -> FilePublic:
-    """Upload a dataset. A bad line is rejected with its number (422 ``invalid_file``); nothing partial is kept."""
+    """Upload a dataset. A bad line (not JSON, not UTF-8, a wrong field, longer than the line limit) is rejected
+    with its number (422 ``invalid_file``); a file over the size limit is 413 ``file_too_large``. Nothing of a
+    refused upload is kept."""
     stream = file.file
     size = stream.seek(0, os.SEEK_END)
     stream.seek(0)
@@ -37,7 +39,7 @@ def upload_file(
             413, "file_too_large", f"the file has {size} bytes; the limit is {settings.max_upload_bytes}", param="file"
         )
     try:
-        rows = count_rows(stream, purpose)
+        rows = count_rows(stream, purpose, settings.max_line_bytes)
     except InvalidFile as e:
         raise ApiError(422, "invalid_file", str(e), param="file") from None
     stream.seek(0)
@@ -68,7 +70,9 @@ def upload_file(
 def list_files(
     session: SessionDep,
     project: CurrentProject,
-    after: Annotated[str | None, Query(description="Id of the last file of the previous page.")] = None,
+    after: Annotated[
+        str | None, Query(description="Id of the last file of the previous page.", max_length=64, pattern=ID_PATTERN)
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> FilesPublic:
     """The project's files, newest first."""
@@ -78,14 +82,16 @@ def list_files(
 
 @router.get("/{file_id}")
 def get_file(session: SessionDep, project: CurrentProject, file_id: str) -> FilePublic:
-    row = crud.get_file(session, file_id=file_id, project_id=project.id)
+    row = crud.get_file(session, file_id=file_id, project_id=project.id) if looks_like_id(file_id) else None
     if row is None:
         raise not_found("file", file_id)
     return FilePublic.of(row)
 
 
 def _filename(name: str | None) -> str:
+    """The client's file name without folders or control characters, at most 255 characters."""
     base = (name or "").replace("\\", "/").rsplit("/", 1)[-1]
+    base = "".join(c for c in base if c.isprintable())
     return base[:255] or "upload.jsonl"
 
 

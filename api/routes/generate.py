@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from sqlalchemy.orm import Session
 
 from api.deps import CurrentProject, GenerateDep, SessionDep
-from api.errors import ApiError, ErrorResponse
+from api.errors import ApiError, ErrorResponse, error_responses
 from api.routes.jobs import job_or_404
 from api.schemas import GenerateRequest, GenerateResponse
 from jobs.store import crud
@@ -49,6 +49,7 @@ def _checkpoint_step(session: Session, project: Project, job_id: str, body: Gene
     responses={
         404: {"model": ErrorResponse, "description": "No such job, or no such checkpoint."},
         503: {"model": ErrorResponse, "description": "No inference worker answered in time."},
+        **error_responses(400, 500),
     },
 )
 async def generate(

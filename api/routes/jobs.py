@@ -9,8 +9,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.deps import CurrentProject, EnqueueDep, SessionDep, SettingsDep
-from api.errors import ApiError, ErrorResponse, not_found, spec_error
+from api.errors import ApiError, ErrorResponse, error_responses, not_found, spec_error
 from api.schemas import (
+    ID_PATTERN,
+    MAX_INT32,
+    MAX_INT64,
     CheckpointPublic,
     CheckpointsPublic,
     EventPublic,
@@ -21,6 +24,7 @@ from api.schemas import (
     JobType,
     MetricPoint,
     MetricsPublic,
+    looks_like_id,
 )
 from engine.config import JobSpec
 from jobs.store import crud
@@ -29,6 +33,9 @@ from jobs.store.refs import SpecReferenceError, resolve_spec
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+MAX_METRIC_NAMES = 100
+"""Metric names one history request may ask for."""
 
 SPEC_EXAMPLES: dict[str, Any] = {
     "sft": {
@@ -51,7 +58,8 @@ SPEC_EXAMPLES: dict[str, Any] = {
 
 
 def job_or_404(session: Session, project: Project, job_id: str) -> Job:
-    job = crud.get_job(session, job_id=job_id, project_id=project.id)
+    """The caller's job, or 404 — also for another project's job, which is indistinguishable from none."""
+    job = crud.get_job(session, job_id=job_id, project_id=project.id) if looks_like_id(job_id) else None
     if job is None:
         raise not_found("job", job_id)
     return job
@@ -66,6 +74,7 @@ def job_or_404(session: Session, project: Project, job_id: str) -> Job:
     responses={
         200: {"model": JobPublic, "description": "The job an earlier request with this Idempotency-Key created."},
         409: {"model": ErrorResponse, "description": "The Idempotency-Key was used with a different spec."},
+        **error_responses(400, 503),
     },
 )
 def create_job(
@@ -149,7 +158,9 @@ def list_jobs(
     project: CurrentProject,
     status: JobStatus | None = None,
     type: JobType | None = None,
-    after: Annotated[str | None, Query(description="Id of the last job of the previous page.")] = None,
+    after: Annotated[
+        str | None, Query(description="Id of the last job of the previous page.", max_length=64, pattern=ID_PATTERN)
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> JobsPublic:
     """The project's jobs, newest first."""
@@ -242,16 +253,23 @@ def job_metrics(
     project: CurrentProject,
     job_id: str,
     names: Annotated[
-        str | None, Query(description="Comma-separated metric names; all when absent.", examples=["loss/sft,lr"])
+        str | None,
+        Query(
+            description=f"Comma-separated metric names (at most {MAX_METRIC_NAMES}); all when absent.",
+            examples=["loss/sft,lr"],
+            max_length=MAX_METRIC_NAMES * 101,
+        ),
     ] = None,
-    start_step: Annotated[int | None, Query(ge=0)] = None,
-    end_step: Annotated[int | None, Query(ge=0)] = None,
+    start_step: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
+    end_step: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
     max_points: Annotated[
         int | None, Query(ge=1, le=100_000, description="Even downsampling per series, keeping first and last.")
     ] = None,
 ) -> MetricsPublic:
     job = job_or_404(session, project, job_id)
     wanted = [name.strip() for name in names.split(",") if name.strip()] if names else None
+    if wanted is not None and len(wanted) > MAX_METRIC_NAMES:
+        raise ApiError(422, "invalid_request", f"at most {MAX_METRIC_NAMES} metric names", param="names")
     series = crud.metric_history(
         session, job_id=job.id, names=wanted, start_step=start_step, end_step=end_step, max_points=max_points
     )
@@ -265,7 +283,7 @@ def job_events(
     session: SessionDep,
     project: CurrentProject,
     job_id: str,
-    after: Annotated[int | None, Query(ge=0, description="Id of the last event already seen.")] = None,
+    after: Annotated[int | None, Query(ge=0, le=MAX_INT64, description="Id of the last event already seen.")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> EventsPublic:
     """Status changes, checkpoints, warnings and errors, oldest first."""

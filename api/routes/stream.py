@@ -10,6 +10,17 @@ carries the cursor ``<last metric row id>-<last event row id>`` as its ``id:``; 
 - ``end``: ``{status}``, once the job is final and everything before it was sent; then the stream closes.
 
 A comment line (``: keep-alive``) goes out when nothing else was sent for ``heartbeat_interval`` seconds.
+
+Why the cursor is safe. Row ids come from a sequence and are taken at insert time, but rows become
+visible at commit: on PostgreSQL two transactions can commit out of id order, and a cursor that moved
+past id 101 would never see id 100 committed a moment later. Metric rows have one writer at a time (the
+worker holding the job's lease, one transaction per step), so their ids commit in order. Event rows have
+two writers, the API (cancel, pause, resume, lease recovery) and the worker, so the stream lets a newly
+seen event *settle*: it is sent only once it has been visible for ``event_settle_s`` (any event with a
+smaller id, taken before it, has committed by then), and each poll reads again from the cursor, so a
+late row is sent in its place, in id order. Events (and the ``status`` message of a change, which
+follows its event) are therefore up to about ``event_settle_s`` late; metrics are not held. Once the
+job is final nothing writes events any more, so what a poll finds then is sent at once.
 """
 
 import json
@@ -20,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import anyio
+from anyio.lowlevel import RunVar
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
@@ -37,6 +49,22 @@ METRIC_BATCH = 2000
 """Metric rows read per poll at most."""
 EVENT_BATCH = 500
 """Event rows read per poll at most."""
+EVENT_SETTLE_S = 1.0
+"""How long an event row must have been visible before it is sent (see the module docstring)."""
+POLL_THREADS = 8
+"""Threads the streams' database polls share (per process): apart from the request threadpool, so that many
+open streams can neither take its threads from the other routes nor hold more than this many connections."""
+_poll_limiter: RunVar[anyio.CapacityLimiter] = RunVar("stream_poll_limiter")
+
+
+def poll_limiter() -> anyio.CapacityLimiter:
+    """The event loop's limiter of stream polls."""
+    try:
+        return _poll_limiter.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(POLL_THREADS)
+        _poll_limiter.set(limiter)
+        return limiter
 
 
 @dataclass(frozen=True)
@@ -52,7 +80,10 @@ class Cursor:
         metric_id, _, event_id = text.strip().partition("-")
         if not (metric_id.isdigit() and event_id.isdigit()):
             raise ValueError(text)
-        return cls(int(metric_id), int(event_id))
+        cursor = cls(int(metric_id), int(event_id))
+        if max(cursor.metric_id, cursor.event_id) > 2**63 - 1:  # row ids are BIGINT
+            raise ValueError(text)
+        return cursor
 
 
 @dataclass
@@ -112,15 +143,25 @@ def sse(event: str, data: Any, cursor: Cursor) -> str:
 
 
 async def job_events(
-    database_url: str, job_id: str, cursor: Cursor, poll_interval: float, heartbeat_interval: float
+    database_url: str,
+    job_id: str,
+    cursor: Cursor,
+    poll_interval: float,
+    heartbeat_interval: float,
+    event_settle_s: float = EVENT_SETTLE_S,
 ) -> AsyncIterator[str]:
     status: str | None = None
     last_sent = time.monotonic()
+    first_seen: dict[int, float] = {}
+    """Event id → when a poll of this connection first returned it (monotonic, after that poll)."""
     while True:
-        found = await anyio.to_thread.run_sync(poll, database_url, job_id, cursor)
+        polled_at = time.monotonic()  # before the poll: rows seen earlier than polled_at - settle have settled
+        found = await anyio.to_thread.run_sync(poll, database_url, job_id, cursor, limiter=poll_limiter())
         if found.status is None:
             yield sse("end", {"status": None}, cursor)
             return
+        seen_at = time.monotonic()
+        final = found.status in FINAL_STATUSES
         messages = []
         if status is None:  # the first message of a connection: the current status
             status = found.status
@@ -128,13 +169,18 @@ async def job_events(
         for last_id, step, values in found.metric_groups:
             cursor = Cursor(last_id, cursor.event_id)
             messages.append(sse("metrics", {"step": step, "metrics": values}, cursor))
+        held = False
         for event in found.events:
+            if not final and first_seen.setdefault(event["id"], seen_at) > polled_at - event_settle_s:
+                held = True  # this one (and so every later one) waits for a later poll
+                break
+            first_seen.pop(event["id"], None)
             cursor = Cursor(cursor.metric_id, event["id"])
             messages.append(sse("event", event, cursor))
-        if found.status != status:
+        if found.status != status and not held:
             status = found.status
             messages.append(sse("status", {"status": status, "step": found.step, "error": found.error}, cursor))
-        finished = found.status in FINAL_STATUSES and not found.more
+        finished = final and not found.more
         if finished:
             messages.append(sse("end", {"status": status}, cursor))
         if messages:
@@ -142,7 +188,7 @@ async def job_events(
             last_sent = time.monotonic()
         if finished:
             return
-        if found.more:
+        if found.more and not held:
             continue
         if time.monotonic() - last_sent >= heartbeat_interval:
             yield ": keep-alive\n\n"
@@ -177,6 +223,9 @@ def stream_job(
             422, "invalid_request", f"not a stream cursor: {resume_from!r} (expected '<n>-<m>')", param=param
         ) from None
     state = request.app.state
-    body = job_events(settings.resolved_database_url, job.id, cursor, state.poll_interval, state.heartbeat_interval)
+    settle = getattr(state, "event_settle_s", EVENT_SETTLE_S)
+    body = job_events(
+        settings.resolved_database_url, job.id, cursor, state.poll_interval, state.heartbeat_interval, settle
+    )
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import Select, and_, func, or_, select, update
+from sqlalchemy import Select, and_, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -332,3 +332,14 @@ def metrics_after(session: Session, *, job_id: str, after: int, limit: int) -> l
 def set_job_progress(session: Session, *, job_id: str, step: int, total_steps: int) -> None:
     """A worker starts (or resumes) a job at ``step`` of ``total_steps``."""
     session.execute(update(Job).where(Job.id == job_id).values(step=step, total_steps=total_steps))
+
+
+def forget_metrics_after(session: Session, *, job_id: str, step: int) -> list[int]:
+    """Delete the metrics of steps after ``step``; returns those steps. A job resuming from the checkpoint of
+    ``step`` computes them again: rows a lost worker recorded past its last checkpoint belong to weights that
+    no longer exist, and would otherwise shadow the new values (``add_metrics`` keeps a step's first rows)."""
+    after = (Metric.job_id == job_id, Metric.step > step)
+    steps = list(session.scalars(select(Metric.step).where(*after).distinct().order_by(Metric.step)))
+    if steps:
+        session.execute(delete(Metric).where(*after))
+    return steps

@@ -1,6 +1,15 @@
 """Service references in a job spec — ``job:<id>[@<step>]`` and ``file-<id>`` — turned into what the engine
 loads (folders and files under the artifacts folder). The API calls this to validate a spec before it is
 queued; the worker calls it again to get the paths. Torch-free.
+
+What a spec may name on the server:
+
+- models: ``builtin:…``, ``job:<id>[@<step>]`` of the caller's project, a hub id (``name`` or ``org/name``,
+  and nothing of that name in the server's working folder), or a folder inside ``Settings.model_root``
+  (absolute, or relative to the root). A path with ``..`` or ``~``, one outside the root, one whose symlinks
+  lead out of it, and any local path when no root is configured, are refused (``local_path_refused``).
+- datasets: ``builtin:…`` and ``file-<id>`` of the caller's project only; the ``.jsonl`` paths the local
+  ``rlhf train`` reads are refused: the server reads no file a client names.
 """
 
 import re
@@ -13,7 +22,10 @@ from sqlalchemy.orm import Session
 from jobs.store import crud
 
 _JOB_REF = re.compile(r"^job:([A-Za-z0-9_-]+)(?:@(\d+))?$")
-_LOCAL_PATH = re.compile(r"^(/|\./|\.\./|~)")
+_MAX_STEP = 2**31 - 1
+_FILE_ID = re.compile(r"^file-[A-Za-z0-9_-]+$")
+# Hugging Face hub ids: ``name`` or ``org/name`` of letters, digits, ``-``, ``_`` and ``.``, no ``..`` or ``--``.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
 
 # Which job types may feed which spec field.
 MODEL_SOURCES = {"sft": ("sft", "ppo"), "rm": ("sft", "ppo", "rm"), "ppo": ("sft", "ppo")}
@@ -66,9 +78,9 @@ def _model(
         return ref
     match = _JOB_REF.match(ref)
     if match is None:
-        if _LOCAL_PATH.match(ref):
-            return _local_path(param, ref, model_root)
-        return ref  # a hub id
+        if _is_hub_id(ref):
+            return ref
+        return _local_path(param, ref, model_root)
     job_id, step = match.group(1), match.group(2)
     job = crud.get_job(session, job_id=job_id, project_id=project_id)
     if job is None:
@@ -78,7 +90,7 @@ def _model(
             param, "wrong_job_type", f"job {job_id} is a {job.type} job; {param} needs one of {sources}"
         )
     if step is not None:
-        checkpoint = crud.get_checkpoint(session, job_id=job_id, step=int(step))
+        checkpoint = crud.get_checkpoint(session, job_id=job_id, step=int(step)) if int(step) <= _MAX_STEP else None
         if checkpoint is None:
             raise SpecReferenceError(param, "checkpoint_not_found", f"job {job_id} has no checkpoint at step {step}")
         return str(artifacts / checkpoint.path)
@@ -89,18 +101,41 @@ def _model(
     return str(job_dir(artifacts, job_id))
 
 
+def _is_hub_id(ref: str) -> bool:
+    """A hub id, which transformers would not mistake for a folder of this machine: from_pretrained loads a
+    local folder of that name first, so a hub-id-shaped name that exists here counts as a local path."""
+    if not _HUB_ID.match(ref) or ".." in ref or "--" in ref:
+        return False
+    return not Path(ref).exists()
+
+
 def _local_path(param: str, ref: str, model_root: Path | None) -> str:
+    """A folder inside ``model_root``: resolved (symlinks followed), then checked to lie inside the root."""
     if model_root is None:
-        raise SpecReferenceError(param, "local_path_refused", "local model paths are disabled (set RLHF_MODEL_ROOT)")
-    path = (model_root / ref).resolve() if not ref.startswith("/") else Path(ref).resolve()
-    if not path.is_relative_to(model_root.resolve()):
-        raise SpecReferenceError(param, "local_path_refused", f"{ref} is outside the model root")
-    return str(path)
+        raise SpecReferenceError(
+            param, "local_path_refused", f"{ref!r} is a local path, and local model paths are disabled on this server"
+        )
+    if ref.startswith("~") or ".." in Path(ref).parts:
+        raise SpecReferenceError(param, "local_path_refused", f"{ref!r}: '..' and '~' are not allowed in model paths")
+    root = model_root.resolve()
+    try:
+        path = (root / ref).resolve()  # an absolute ref replaces the root here, and is checked like any other
+    except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a NUL character
+        raise SpecReferenceError(param, "local_path_refused", f"{ref!r} is not a usable path: {e}") from None
+    if not path.is_relative_to(root):
+        raise SpecReferenceError(param, "local_path_refused", f"{ref!r} is outside the model root")
+    return str(path)  # whether a model is there is for the worker to find out (model_not_found)
 
 
 def _dataset(session: Session, project_id: str, param: str, ref: str, kind: str, artifacts: Path) -> str:
     if ref.startswith("builtin:"):
         return ref
+    if not _FILE_ID.match(ref):
+        raise SpecReferenceError(
+            param,
+            "local_path_refused",
+            f"{ref!r}: the server reads no local dataset files; upload it (POST /v1/files) and name its file- id",
+        )
     file = crud.get_file(session, file_id=ref, project_id=project_id)
     if file is None:
         raise SpecReferenceError(param, "file_not_found", f"no file {ref!r} in this project")

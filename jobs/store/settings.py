@@ -36,6 +36,16 @@ class Settings(BaseSettings):
     """Checkpoints an inference worker keeps loaded (least recently used are evicted)."""
     max_upload_bytes: int = 200 * 1024 * 1024
     """Largest accepted dataset file."""
+    max_line_bytes: int = 1024 * 1024
+    """Longest accepted line of an uploaded dataset, in bytes (its line ending not counted)."""
+    max_request_bytes: int = 1024 * 1024
+    """Largest accepted request body other than a file upload (a job spec, a generate request)."""
+    allow_remote: bool = False
+    """Let ``rlhf api`` / ``rlhf serve`` listen on an address other than loopback (as ``--allow-remote``).
+    Every request needs an API key either way; this is an explicit opt-in to being reachable."""
+    cors_origins: list[str] = []
+    """Browser origins allowed to call the API cross-origin (e.g. ``["https://dash.example.com"]``);
+    empty: no CORS headers, so browsers refuse cross-origin calls."""
     url: str | None = None
     """Server URL for the ``rlhf`` client commands; default: the one ``rlhf serve`` wrote in ``data_dir``."""
     api_key: str | None = None

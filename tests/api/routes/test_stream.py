@@ -142,6 +142,8 @@ def test_bad_cursor_and_unknown_job(client: TestClient, project: Project, db: Db
     assert error_of(response)["param"] == "Last-Event-ID"
     response = client.get(f"/v1/jobs/{job_id}/stream", params={"last_event_id": "1-"})
     assert error_of(response)["param"] == "last_event_id"
+    response = client.get(f"/v1/jobs/{job_id}/stream", params={"last_event_id": "99999999999999999999-1"})
+    assert response.status_code == 422  # beyond BIGINT: refused up front, not a broken stream
     assert client.get("/v1/jobs/job_000000000000/stream").status_code == 404
 
 

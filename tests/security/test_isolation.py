@@ -1,0 +1,118 @@
+"""Projects are isolated: project B's key walks every route at project A's job and file, and finds nothing.
+
+A's objects are rows written through ``jobs.store.crud`` the way workers write them: a running PPO job with
+metrics, events and a checkpoint, a succeeded SFT job, a paused job, and an uploaded file. Every route that
+takes an id answers 404 — the same answer as for an id that exists nowhere — the lists show none of them,
+references to them in a job spec are not found, and none of B's calls changes A's rows or reaches a worker.
+Runs on SQLite and PostgreSQL.
+"""
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from jobs.store import crud
+from jobs.store.settings import Settings
+from tests.api.conftest import PPO_SPEC, SFT_SPEC, Calls, Db, Project, error_of, jsonl, new_project
+from tests.security.routes import DOCS, PUBLIC, every_route
+
+SFT_ROW = {"prompt": "p", "completion": "c"}
+
+
+def snapshot(db: Db, job_ids: list[str], project: Project) -> dict[str, Any]:
+    with db.session() as session:
+        jobs = {job_id: crud.get_job(session, job_id=job_id) for job_id in job_ids}
+        events = {job_id: crud.list_events(session, job_id=job_id, after=None, limit=1000)[0] for job_id in job_ids}
+        return {
+            "jobs": {job_id: (job.status, job.step, job.attempt) for job_id, job in jobs.items() if job},
+            "events": {job_id: len(rows) for job_id, rows in events.items()},
+            "checkpoints": {job_id: len(crud.list_checkpoints(session, job_id=job_id)) for job_id in job_ids},
+            "files": len(crud.list_files(session, project_id=project.id, after=None, limit=100)[0]),
+        }
+
+
+def test_another_projects_objects_are_invisible_on_every_route(
+    app: FastAPI, settings: Settings, db: Db, calls: Calls
+) -> None:
+    a, b = new_project(settings, "a"), new_project(settings, "b")
+    running = db.job(a.id, spec=PPO_SPEC, status="running")
+    db.metrics(running, 1, {"objective/kl": 0.1})
+    db.event(running, "a secret warning", kind="warning")
+    db.checkpoint(running, 1)
+    succeeded = db.job(a.id, spec=SFT_SPEC, status="succeeded")
+    db.checkpoint(succeeded, 2)
+    paused = db.job(a.id, spec=SFT_SPEC, status="paused")
+    with db.session() as session:
+        file = crud.create_file(
+            session, file_id="file-aaaaaaaaaaaa", project_id=a.id, filename="a.jsonl", purpose="sft", size=10,
+            rows=1, path="files/file-aaaaaaaaaaaa.jsonl",
+        )  # fmt: skip
+    a_jobs = [running, succeeded, paused]
+    before = snapshot(db, a_jobs, a)
+
+    walked: set[tuple[str, str]] = set()
+    with TestClient(app, headers=b.headers) as client:
+
+        def missing(method: str, path: str, template: str, **kwargs: Any) -> None:
+            """404 not_found, exactly as for an id that exists nowhere."""
+            response = client.request(method, path, **kwargs)
+            assert response.status_code == 404, (method, path, response.text)
+            error = error_of(response)
+            assert error["code"] == "not_found"
+            assert "secret" not in response.text and a.id not in response.text
+            for real in (*a_jobs, file.id):
+                path = path.replace(real, "job_000000000000" if real.startswith("job_") else "file-000000000000")
+            nowhere = client.request(method, path, **kwargs)
+            assert nowhere.status_code == 404
+            assert {**error_of(nowhere), "message": ""} == {**error, "message": ""}
+            walked.add((method, template))
+
+        for job_id in a_jobs:
+            missing("GET", f"/v1/jobs/{job_id}", "/v1/jobs/{job_id}")
+            for sub in ("metrics", "events", "checkpoints", "stream"):
+                missing("GET", f"/v1/jobs/{job_id}/{sub}", f"/v1/jobs/{{job_id}}/{sub}")
+            for action in ("cancel", "pause", "resume"):
+                missing("POST", f"/v1/jobs/{job_id}/{action}", f"/v1/jobs/{{job_id}}/{action}")
+            for checkpoint in ("latest", 1, 2):
+                body = {"prompts": ["hi"], "checkpoint": checkpoint}
+                missing("POST", f"/v1/jobs/{job_id}/generate", "/v1/jobs/{job_id}/generate", json=body)
+        missing("GET", f"/v1/files/{file.id}", "/v1/files/{file_id}")
+
+        # Lists: B sees none of A's objects, whatever the filters, and cannot page from A's ids.
+        for params in ({}, {"status": "running"}, {"type": "ppo"}, {"after": running}, {"limit": 100}):
+            response = client.get("/v1/jobs", params=params)
+            assert response.json() == {"data": [], "has_more": False}, params
+        assert client.get("/v1/files", params={"after": file.id}).json() == {"data": [], "has_more": False}
+        assert client.get("/v1/files").json() == {"data": [], "has_more": False}
+        walked |= {("GET", "/v1/jobs"), ("GET", "/v1/files")}
+
+        # Creating: A's jobs and files cannot be named, as a model, a reward model or a dataset.
+        refs = [
+            ({**SFT_SPEC, "model": f"job:{succeeded}"}, "model", "job_not_found"),
+            ({**SFT_SPEC, "model": f"job:{running}@1"}, "model", "job_not_found"),
+            ({**PPO_SPEC, "reward_model": f"job:{succeeded}"}, "reward_model", "job_not_found"),
+            ({**SFT_SPEC, "dataset": file.id}, "dataset", "file_not_found"),
+            ({**SFT_SPEC, "eval_dataset": file.id}, "eval_dataset", "file_not_found"),
+        ]
+        for spec, param, code in refs:
+            response = client.post("/v1/jobs", json=spec)
+            assert (response.status_code, error_of(response)["code"], error_of(response)["param"]) == (422, code, param)
+        # B's own uploads and jobs are B's alone.
+        upload = client.post("/v1/files", files={"file": ("b.jsonl", jsonl([SFT_ROW]))}, data={"purpose": "sft"})
+        assert upload.status_code == 201
+        own = client.post("/v1/jobs", json={**SFT_SPEC, "dataset": upload.json()["id"]})
+        assert own.status_code == 201
+        walked |= {("POST", "/v1/jobs"), ("POST", "/v1/files")}
+        assert client.get(f"/v1/jobs/{own.json()['id']}", headers=a.headers).status_code == 404
+        assert client.get(f"/v1/files/{upload.json()['id']}", headers=a.headers).status_code == 404
+
+        # A still sees its own (the 404s above were about B, not about the rows).
+        assert client.get(f"/v1/jobs/{running}", headers=a.headers).json()["status"] == "running"
+        assert client.get(f"/v1/files/{file.id}", headers=a.headers).status_code == 200
+
+    routes = {(method, path) for method, path in every_route(app) if path not in PUBLIC | DOCS}
+    assert walked == routes  # a new route must be added to this walk
+    assert snapshot(db, a_jobs, a) == before
+    assert calls.generated == []
+    assert calls.enqueued == [own.json()["id"]]
