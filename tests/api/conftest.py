@@ -6,14 +6,11 @@ PostgreSQL and Redis tests skip when the server is unreachable, except under ``C
 """
 
 import json
-import os
-import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -25,9 +22,8 @@ from jobs.store.db import engine_for, session_scope
 from jobs.store.migrate import upgrade
 from jobs.store.models import JOB_STATUSES, Job
 from jobs.store.settings import Settings
+from tests.services import postgres_database
 
-PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
-PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
 REDIS_URL = "redis://127.0.0.1:6379/15"
 
 SFT_SPEC: dict[str, Any] = {"type": "sft", "model": "builtin:tiny", "dataset": "builtin:reviews-sft"}
@@ -40,29 +36,10 @@ PPO_SPEC: dict[str, Any] = {
 }
 
 
-def unavailable(what: str, error: Exception) -> None:
-    """Skip outside CI; under CI=true every service must be there."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{what} is required under CI=true: {error}")
-    pytest.skip(f"{what} unreachable: {error}")
-
-
 @pytest.fixture(scope="session")
 def postgresql_url() -> Iterator[str]:
-    try:
-        admin = psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3)
-    except psycopg.OperationalError as e:
-        unavailable("PostgreSQL at 127.0.0.1:5432", e)
-    name = f"rlhf_api_test_{secrets.token_hex(4)}"
-    with admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-        url = PG_URL.format(name=name)
-        try:
-            upgrade(url)
-            yield url
-        finally:
-            engine_for(url).dispose()
-            admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    with postgres_database("rlhf_api_test") as url:
+        yield url
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgresql"])

@@ -12,7 +12,6 @@ PostgreSQL and Redis tests skip when the server is unreachable, except under ``C
 
 import contextlib
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -26,7 +25,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-import psycopg
 import pytest
 import redis
 import torch
@@ -40,7 +38,7 @@ from jobs.celery_app import RUN_JOB_TASK, make_celery
 from jobs.store import crud, db, migrate, refs
 from jobs.store.models import Event, Job, Metric
 from jobs.store.settings import Settings
-from tests.jobs.conftest import PG_ADMIN_URL, PG_URL, unavailable
+from tests.services import postgres_database, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = "redis://127.0.0.1:6379/13"
@@ -76,20 +74,8 @@ T = TypeVar("T")
 @pytest.fixture(scope="module")
 def pg_url() -> Iterator[str]:
     """A fresh PostgreSQL database for the module, migrated; dropped after."""
-    try:
-        admin = psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=3)
-    except psycopg.OperationalError as e:
-        unavailable("PostgreSQL", e)
-    name = f"rlhf_faults_{secrets.token_hex(4)}"
-    admin.execute(f'CREATE DATABASE "{name}"')
-    url = PG_URL.format(name=name)
-    try:
-        migrate.upgrade(url)
+    with postgres_database("rlhf_faults") as url:
         yield url
-    finally:
-        db.engine_for(url).dispose()
-        admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
-        admin.close()
 
 
 def redis_client() -> redis.Redis:

@@ -26,7 +26,6 @@ from tests.faults.conftest import (
     FINAL,
     HOST,
     KOMBU_SQLA_WARNING,
-    PG_ADMIN_URL,
     PPO_STEPS,
     Backend,
     Pretrained,
@@ -49,6 +48,7 @@ from tests.faults.conftest import (
     wait_ready,
     wait_until,
 )
+from tests.services import PG_ADMIN_URL
 
 pytestmark = pytest.mark.filterwarnings(KOMBU_SQLA_WARNING)
 

@@ -12,7 +12,6 @@ PostgreSQL and Redis tests skip when the server is unreachable, except under ``C
 import contextlib
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -26,7 +25,6 @@ from typing import Any, TypeVar
 
 import anyio
 import httpx
-import psycopg
 import pytest
 import redis
 
@@ -34,7 +32,7 @@ from api.routes.stream import Cursor, job_events
 from jobs.client import Client, ClientError, SseMessage, parse_sse
 from jobs.store import crud, db, migrate
 from jobs.store.models import utcnow
-from tests.jobs.conftest import PG_ADMIN_URL, PG_URL, unavailable
+from tests.services import postgres_database, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = "redis://127.0.0.1:6379/12"
@@ -50,19 +48,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy i
 @pytest.fixture
 def fresh_pg() -> Iterator[str]:
     """A fresh, empty PostgreSQL database (not migrated); dropped after the test."""
-    try:
-        admin = psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=3)
-    except psycopg.OperationalError as e:
-        unavailable("PostgreSQL", e)
-    name = f"rlhf_stream_{secrets.token_hex(4)}"
-    admin.execute(f'CREATE DATABASE "{name}"')
-    url = PG_URL.format(name=name)
-    try:
+    with postgres_database("rlhf_stream", migrated=False) as url:
         yield url
-    finally:
-        db.engine_for(url).dispose()
-        admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
-        admin.close()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ must run.
 """
 
 import os
-import secrets
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,25 +15,16 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test downloads anything
 
-import psycopg
 
 from engine.config import JobSpec
 from jobs.store import crud, db, migrate
 from jobs.store.models import Event, Job
 from jobs.store.settings import Settings
+from tests.services import postgres_database
 
-PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
-PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
 REDIS_URL = "redis://127.0.0.1:6379/14"
 
 SFT_SMALL = {"max_steps": 4, "batch_size": 8, "learning_rate": 1e-3}
-
-
-def unavailable(what: str, error: Exception) -> None:
-    """Skip, unless under CI, where every service must be there."""
-    if os.environ.get("CI") == "true":
-        raise RuntimeError(f"{what} is required under CI=true") from error
-    pytest.skip(f"{what} unreachable: {error}")
 
 
 @pytest.fixture(scope="session")
@@ -46,20 +36,8 @@ def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def postgresql_url() -> Iterator[str]:
-    try:
-        admin = psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=3)
-    except psycopg.OperationalError as e:
-        unavailable("PostgreSQL", e)
-    name = f"rlhf_test_{secrets.token_hex(4)}"
-    admin.execute(f'CREATE DATABASE "{name}"')
-    url = PG_URL.format(name=name)
-    try:
-        migrate.upgrade(url)
+    with postgres_database("rlhf_test") as url:
         yield url
-    finally:
-        db.engine_for(url).dispose()
-        admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
-        admin.close()
 
 
 def make_settings(url: str, data_dir: Path, **overrides: Any) -> Settings:

@@ -20,7 +20,6 @@ from jobs.store import crud, db
 from jobs.store.models import utcnow
 from jobs.store.settings import Settings
 from tests.jobs.conftest import (
-    PG_ADMIN_URL,
     checkpoint_steps,
     create_job,
     disk_checkpoint_steps,
@@ -33,6 +32,7 @@ from tests.jobs.conftest import (
     sft_spec,
     status_changes,
 )
+from tests.services import PG_ADMIN_URL
 
 SFT_METRICS = {"loss/sft", "lr", "grad_norm", "time/step_s", "throughput/tokens_per_s"}
 

@@ -18,7 +18,8 @@ from jobs.celery_app import GENERATE_TASK, RUN_JOB_TASK, make_celery
 from jobs.store import crud, db
 from jobs.store.settings import Settings
 from jobs.worker import worker_argv
-from tests.jobs.conftest import REDIS_URL, create_job, get_job, make_settings, new_project, sft_spec, unavailable
+from tests.jobs.conftest import REDIS_URL, create_job, get_job, make_settings, new_project, sft_spec
+from tests.services import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 # kombu's SQLAlchemy transport still uses a loader option SQLAlchemy 2.1 deprecates.
