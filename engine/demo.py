@@ -97,7 +97,9 @@ def evaluate_policy(policy_dir: str, reference_dir: str, reward_dir: str, prompt
     reward_model = load_scalar_model(reward_dir, tokenizer, SEED).eval()
     queries, query_mask = encode_prompts(tokenizer, prompts, 64)
     generator = torch.Generator().manual_seed(SEED)
-    raw = sample(policy, queries, query_mask, 24, TEMPERATURE, eos_token_id=tokenizer.eos_token_id, generator=generator)
+    raw, _ = sample(
+        policy, queries, query_mask, 24, TEMPERATURE, eos_token_id=tokenizer.eos_token_id, generator=generator
+    )
     responses, mask, _ = truncate_after_stop(raw, tokenizer.eos_token_id, tokenizer.pad_token_id)
     query_responses = torch.cat([queries, responses], 1)
     attention_mask = torch.cat([query_mask, mask], 1)

@@ -7,7 +7,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.data import encode_prompts
 from engine.models import check_fits, context_length
-from engine.ops import position_ids_from_mask, truncate_after_stop
+from engine.ops import logprobs_from_logits, position_ids_from_mask, truncate_after_stop
 
 
 def sample_next(
@@ -40,20 +40,26 @@ def sample(
     top_p: float = 1.0,
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to ``max_new_tokens`` after left-padded prompts (B, P), reusing the KV cache.
 
     Stops early once every row has produced ``eos_token_id``. Returns the raw tokens (B, T),
-    T ≤ max_new_tokens; tokens after a row's EOS are junk for the caller to truncate.
+    T ≤ max_new_tokens, and their log-probabilities (B, T) under the model's full distribution at
+    ``temperature`` (before top-k/top-p filtering: the quantity PPO's ratio is taken of), so a PPO
+    rollout needs no second policy forward. Tokens after a row's EOS are junk for the caller to truncate.
     """
     position_ids = position_ids_from_mask(attention_mask)  # (B, P)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
+    )
     next_positions = position_ids[:, -1:] + 1  # (B, 1)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    tokens = []
+    tokens, logprobs = [], []
     for t in range(max_new_tokens):
-        token = sample_next(out.logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
+        logits = out.logits[:, -1]  # (B, V)
+        token = sample_next(logits, temperature, top_k, top_p, generator)  # (B,)
         tokens.append(token)
+        logprobs.append(logprobs_from_logits(logits / max(temperature, 1e-7), token))
         if eos_token_id is not None:
             finished |= token == eos_token_id
             if finished.all():
@@ -69,7 +75,7 @@ def sample(
             use_cache=True,
         )
         next_positions = next_positions + 1
-    return torch.stack(tokens, dim=1)  # (B, T)
+    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)  # (B, T), (B, T)
 
 
 @dataclass
@@ -104,7 +110,7 @@ def generate(
     model.eval()
     input_ids, attention_mask = encode_prompts(tokenizer, prompts, max_prompt_length)
     generator = torch.Generator(device).manual_seed(seed)
-    raw = sample(
+    raw, _ = sample(
         model,
         input_ids.to(device),
         attention_mask.to(device),

@@ -35,9 +35,12 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log p(token) under ``logits``: (B, T, V), (B, T) -> (B, T)."""
-    logp = F.log_softmax(_upcast(logits), dim=-1)  # (B, T, V)
-    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    """log p(token) under ``logits``: (B, T, V), (B, T) -> (B, T).
+
+    As logit minus log-sum-exp, so no (B, T, V) log-softmax is kept for the backward pass.
+    """
+    logits = _upcast(logits)
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,9 @@ from engine.ppo import (
 from engine.rollout import make_rollout, response_logprobs, response_values
 from engine.sft import completion_loss_sum, count_labels
 
+MB_STATS = ("pg", "vf", "clip", "vclip", "akl", "ent", "ptx")
+"""Per-minibatch statistics: policy and value loss, their clip fractions, approx-KL, entropy, ptx loss."""
+
 
 def frozen(model: PreTrainedModel) -> PreTrainedModel:
     model.eval()
@@ -163,7 +166,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         train_policy = step > cfg.critic_warmup_steps
         policy.train()
         value_model.train()
-        stats: dict[str, list[float]] = {k: [] for k in ("pg", "vf", "clip", "vclip", "akl", "ent", "gn", "ptx")}
+        stats: dict[str, list[float]] = {k: [] for k in (*MB_STATS, "gn")}
         early_stopped = False
         for epoch in range(cfg.ppo_epochs):
             order = torch.randperm(B, generator=shuffle)
@@ -179,40 +182,40 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
                     ptx_batch = {
                         k: v.to(device) for k, v in encode_sft_batch(tokenizer, ptx_rows_mb, cfg.max_length).items()
                     }
-                mb_stats = dict.fromkeys(stats, 0.0)
+                mb_stats = torch.zeros(len(MB_STATS), device=device)  # summed over micro-batches
+                # Policy, ptx and critic losses are backpropagated one after the other (they share no
+                # parameters), so only one model's activations are held at a time. The entropy's graph (a
+                # softmax over the vocabulary) is built only when the loss uses it.
+                entropy_in_loss = train_policy and cfg.entropy_coef > 0
                 for u in range(0, cfg.mini_batch_size, mbs):
                     inds = mb_inds[u : u + mbs]
                     qr, am, mk = ro.query_responses[inds], ro.attention_mask[inds], mask[inds]
-                    new_logprobs, logits = response_logprobs(policy, qr, am, ro.context_length, cfg.temperature)
-                    vpreds = response_values(value_model, qr, am, ro.context_length)  # (b, T)
+                    with torch.set_grad_enabled(train_policy):
+                        new_logprobs, logits = response_logprobs(policy, qr, am, ro.context_length, cfg.temperature)
                     pl = policy_loss(new_logprobs, ro.logprobs[inds], advantages[inds], mk, cfg.cliprange, n_tokens)
-                    vf_loss, vf_clipfrac = value_loss(
-                        vpreds, ro.values[inds], returns[inds], mk, cfg.cliprange_value, n_tokens
-                    )
-                    entropy = (entropy_from_logits(logits) * mk).sum() / n_tokens
-                    loss = cfg.vf_coef * vf_loss
+                    with torch.set_grad_enabled(entropy_in_loss):
+                        entropy = (entropy_from_logits(logits) * mk).sum() / n_tokens
                     if train_policy:
-                        loss = loss + pl.pg_loss - cfg.entropy_coef * entropy
+                        (pl.pg_loss - cfg.entropy_coef * entropy if entropy_in_loss else pl.pg_loss).backward()
+                    del logits, new_logprobs
+                    ptx_loss = torch.zeros((), device=device)
                     if ptx_batch is not None and train_policy:
                         ptx_micro = {k: v[u : u + mbs] for k, v in ptx_batch.items()}
                         ptx_loss = completion_loss_sum(policy, ptx_micro) / count_labels(ptx_batch)
-                        loss = loss + cfg.ptx_coef * ptx_loss
-                        mb_stats["ptx"] += ptx_loss.item()
-                    loss.backward()
-                    for key, value in (
-                        ("pg", pl.pg_loss),
-                        ("vf", vf_loss),
-                        ("clip", pl.clipfrac),
-                        ("vclip", vf_clipfrac),
-                        ("akl", pl.approxkl),
-                        ("ent", entropy),
-                    ):
-                        mb_stats[key] += value.item()
-                check_finite("loss", mb_stats["pg"] + mb_stats["vf"], step)
-                mb_stats["gn"] = clip_and_step(policy_params + value_params, optimizer, cfg.max_grad_norm)
-                for key, total in mb_stats.items():
+                        (cfg.ptx_coef * ptx_loss).backward()
+                    vpreds = response_values(value_model, qr, am, ro.context_length)  # (b, T)
+                    vf_loss, vf_clipfrac = value_loss(
+                        vpreds, ro.values[inds], returns[inds], mk, cfg.cliprange_value, n_tokens
+                    )
+                    (cfg.vf_coef * vf_loss).backward()
+                    parts = (pl.pg_loss, vf_loss, pl.clipfrac, vf_clipfrac, pl.approxkl, entropy, ptx_loss)
+                    mb_stats += torch.stack([p.detach().float() for p in parts])
+                mb = dict(zip(MB_STATS, mb_stats.tolist(), strict=True))  # one device sync per minibatch
+                check_finite("loss", mb["pg"] + mb["vf"], step)
+                mb["gn"] = clip_and_step(policy_params + value_params, optimizer, cfg.max_grad_norm)
+                for key, total in mb.items():
                     stats[key].append(total)
-                if cfg.target_approxkl is not None and mb_stats["akl"] > cfg.target_approxkl:
+                if cfg.target_approxkl is not None and mb["akl"] > cfg.target_approxkl:
                     early_stopped = True
                     break
             if early_stopped:

@@ -29,7 +29,8 @@ class Rollout:
     stopped: torch.Tensor
     """Whether each response produced the stop token: (B,)."""
     logprobs: torch.Tensor
-    """Policy log-probabilities of the response tokens at the sampling temperature: (B, T)."""
+    """Policy log-probabilities of the response tokens at the sampling temperature, 0 after the stop: (B, T).
+    Taken while sampling: the same numbers as a forward over the whole sequence, up to rounding."""
     ref_logprobs: torch.Tensor
     """Reference log-probabilities, same temperature: (B, T)."""
     values: torch.Tensor
@@ -46,7 +47,8 @@ def response_logprobs(
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of the response tokens and the logits that gave them: (B, T), (B, T, V)."""
-    logits = lm_logits(model, query_responses, attention_mask)[:, context_length - 1 : -1] / temperature  # (B, T, V)
+    T = query_responses.shape[1] - context_length
+    logits = lm_logits(model, query_responses, attention_mask, last=T + 1)[:, :-1] / temperature  # (B, T, V)
     return logprobs_from_logits(logits, query_responses[:, context_length:]), logits
 
 
@@ -87,13 +89,14 @@ def make_rollout(
     generator: torch.Generator,
     chunk_size: int,
 ) -> Rollout:
-    """Sample one response per query (B, P) and evaluate it with all four models in chunks of ``chunk_size``.
+    """Sample one response per query (B, P) and evaluate it with reference, critic and reward model in chunks
+    of ``chunk_size``. The policy's log-probabilities come from sampling itself.
 
     A ``None`` reference or reward model means: the policy's (critic's) base, with its LoRA adapters disabled.
     """
     policy.eval()
     value_model.eval()
-    raw = sample(
+    raw, raw_logprobs = sample(
         policy,
         queries,
         query_mask,
@@ -107,10 +110,9 @@ def make_rollout(
     query_responses = torch.cat([queries, responses], dim=1)  # (B, P + T)
     attention_mask = torch.cat([query_mask, mask], dim=1)
     P = queries.shape[1]
-    logprobs, ref_logprobs, values, scores = [], [], [], []
+    ref_logprobs, values, scores = [], [], []
     for i in range(0, queries.shape[0], chunk_size):
         qr, am = query_responses[i : i + chunk_size], attention_mask[i : i + chunk_size]
-        logprobs.append(response_logprobs(policy, qr, am, P, temperature)[0])
         with base_of(policy) if ref_policy is None else nullcontext():
             ref_logprobs.append(response_logprobs(ref_policy or policy, qr, am, P, temperature)[0])
         values.append(response_values(value_model, qr, am, P))
@@ -123,7 +125,7 @@ def make_rollout(
         responses=responses,
         mask=mask,
         stopped=stopped,
-        logprobs=torch.cat(logprobs),
+        logprobs=raw_logprobs * mask,
         ref_logprobs=torch.cat(ref_logprobs),
         values=torch.cat(values),
         scores=torch.cat(scores),

@@ -242,7 +242,9 @@ def add_metrics(session: Session, *, job_id: str, step: int, metrics: dict[str, 
     rows = [{"job_id": job_id, "name": name, "step": step, "value": float(value)} for name, value in metrics.items()]
     dialect = session.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    session.execute(insert(Metric).values(rows).on_conflict_do_nothing(index_elements=["job_id", "name", "step"]))
+    # rows as executemany parameters: one statement, compiled once and cached (a multi-VALUES insert built from
+    # the rows themselves is compiled afresh every step, half the cost of a step's write)
+    session.execute(insert(Metric).on_conflict_do_nothing(index_elements=["job_id", "name", "step"]), rows)
     session.execute(update(Job).where(Job.id == job_id).values(step=step, latest_metrics=dict(metrics)))
 
 

@@ -5,12 +5,23 @@ import shutil
 
 import pytest
 import torch
+from torch.testing import assert_close
+from transformers.activations import GELUTanh, NewGELUActivation
 
 from engine import builtin
 from engine.checkpoint import JOB_FILE
 from engine.data import DatasetError, encode_prompts, encode_sft_batch, load_rows, parse_jsonl
 from engine.generate import generate, sample
-from engine.models import ModelNotFoundError, load_causal_lm, load_tokenizer, resolve_model_ref
+from engine.models import (
+    ModelNotFoundError,
+    fuse_activations,
+    lm_logits,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_ref,
+)
+from engine.ops import truncate_after_stop
+from engine.rollout import response_logprobs
 from tests.engine.conftest import Recorder, make_spec, train
 
 # --- JSONL datasets -------------------------------------------------------------------------------
@@ -166,7 +177,7 @@ def test_generate_finish_reason_per_row(sft_model):
     prompts = PROMPTS * 4
     completions = generate(model, tokenizer, prompts, max_new_tokens=9, temperature=1.0, seed=0)
     ids, mask = encode_prompts(tokenizer, prompts, 512)
-    raw = sample(
+    raw, _ = sample(
         model, ids, mask, 9, 1.0, eos_token_id=tokenizer.eos_token_id, generator=torch.Generator().manual_seed(0)
     )
     expected = ["stop" if tokenizer.eos_token_id in row else "length" for row in raw.tolist()]
@@ -193,6 +204,34 @@ def test_left_padding_does_not_change_a_completion(sft_model):
     greedy_alone = generate(model, tokenizer, ["the sequel was"], max_new_tokens=12, temperature=0)
     greedy_batched = generate(model, tokenizer, [neighbours[0], "the sequel was"], max_new_tokens=12, temperature=0)
     assert greedy_batched[1].text == greedy_alone[0].text
+
+
+def test_sampled_logprobs_are_those_of_a_full_forward(sft_model):
+    """PPO takes the policy's log-probabilities from sampling (no second forward): they must be the full-forward
+    ones at the sampling temperature, before top-k filtering, with left padding and rows that stop early."""
+    model, tokenizer = sft_model
+    prompts = [*PROMPTS, "the sequel was"]
+    ids, mask = encode_prompts(tokenizer, prompts, 512)
+    generator = torch.Generator().manual_seed(3)
+    raw, logprobs = sample(model, ids, mask, 18, 0.7, top_k=5, eos_token_id=tokenizer.eos_token_id, generator=generator)
+    responses, kept, stopped = truncate_after_stop(raw, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert stopped.any() and not stopped.all(), "this seed should give rows of both kinds"
+    full, _ = response_logprobs(model, torch.cat([ids, responses], 1), torch.cat([mask, kept], 1), ids.shape[1], 0.7)
+    assert_close(logprobs * kept, full * kept, atol=1e-5, rtol=0)
+    assert (logprobs[kept.bool()] < 0).all()
+
+
+def test_fused_gelu_computes_gpt2s_gelu(sft_dir):
+    tokenizer = load_tokenizer(str(sft_dir))
+    model = load_causal_lm(str(sft_dir), tokenizer, 0).eval()
+    ids, mask = encode_prompts(tokenizer, PROMPTS, 512)
+    with torch.no_grad():
+        before = lm_logits(model, ids, mask)
+        fuse_activations(model)
+        after = lm_logits(model, ids, mask)
+    assert not any(type(m) is NewGELUActivation for m in model.modules())
+    assert any(type(m) is GELUTanh for m in model.modules())
+    assert_close(after, before, atol=1e-5, rtol=1e-5)
 
 
 def test_generate_with_a_prompt_longer_than_the_context(sft_model):

@@ -3,6 +3,7 @@ exact, and PPO's reference and reward model are the adapter-disabled bases."""
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -55,9 +56,11 @@ def test_ppo_lora_reference_is_the_adapter_disabled_policy(pretrained: Pretraine
     )
     result, rec = train(spec, tmp_path / "ppo")
     assert result.status == "succeeded"
-    # Fresh adapters are zero, so at the first rollout policy == reference exactly; after one update they differ.
-    assert rec.metrics[1]["objective/kl"] == 0.0
-    assert rec.metrics[2]["objective/kl"] != 0.0
+    # Fresh adapters are zero, so at the first rollout policy == reference (the policy's log-probabilities come
+    # from sampling with the KV cache, the reference's from one forward: equal up to float rounding); after one
+    # update they differ.
+    assert rec.metrics[1]["objective/kl"] == pytest.approx(0.0, abs=1e-5)
+    assert rec.metrics[2]["objective/kl"] > 1e-3
     step_dir = tmp_path / "ppo" / "checkpoints" / "step-2"
     assert (step_dir / "adapters" / "policy").is_dir() and (step_dir / "adapters" / "value").is_dir()
     # The critic started as the reward model; its merged copy must load as a scalar model.

@@ -111,11 +111,12 @@ def test_k3_estimator(tmp_path, pretrained):
     ],
 )
 def test_score_shaping(tmp_path, pretrained, options, expected_returns_mean):
-    """Step 1 isolates the score: KL to the reference is 0, every response is full length (no stop token), and
-    with λ = γ = 1 the return of every token is its sequence's shaped score, so returns/mean is their mean."""
+    """Step 1 isolates the score: KL to the reference is 0 (up to rounding), every response is full length (no
+    stop token), and with λ = γ = 1 the return of every token is its sequence's shaped score, so returns/mean is
+    their mean."""
     _, rec = _run(tmp_path, pretrained, total_steps=2, stop_token=None, lam=1.0, response_length=6, **options)
     first = rec.metrics[1]
-    assert first["objective/kl"] == 0.0
+    assert first["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # sampled vs full-forward logprobs: rounding
     if expected_returns_mean == "raw":
         assert first["returns/mean"] == pytest.approx(first["objective/scores"], abs=1e-5)
     elif expected_returns_mean == "clipped":
