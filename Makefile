@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install demo test lint
+.PHONY: install demo test lint bench-deps
 
 # torch is installed first and pinned: a CPU build of 2.13.0 is what the CI machines carry, and an
 # unpinned torch would pull a multi-GB CUDA build.
@@ -20,3 +20,9 @@ lint:
 	ruff check .
 	ruff format --check .
 	mypy
+
+# Benchmarks only: TRL 1.12.0 (the last release with a PPO trainer) for benchmarks/ppo_vs_trl.py, installed
+# without its dependencies so that it changes nothing of the pinned stack, then what it needs besides.
+bench-deps: install
+	$(PIP) install -q --no-deps trl==1.12.0
+	$(PIP) install -q 'datasets>=4.7' 'accelerate>=1.4' jinja2

@@ -17,9 +17,8 @@ the RSS the process had before loading any model), ``torch.cuda.max_memory_alloc
 memory races run ours and TRL at the memory size, full fine-tuning and LoRA, without and with
 gradient checkpointing.
 
-Setup (TRL for benchmarks only, next to the pinned stack, without changing anything else)::
-
-    pip install --no-deps trl==1.12.0 && pip install 'datasets>=4.7' 'accelerate>=1.4'
+Setup: ``make bench-deps`` (TRL for benchmarks only, next to the pinned stack, changing nothing of it:
+``pip install --no-deps trl==1.12.0``, then ``datasets``, ``accelerate`` and ``jinja2``).
 
 Run: ``python benchmarks/ppo_vs_trl.py [--sizes tiny compute] [--updates 8] [--no-memory]`` (about
 15 minutes on 2 cores).
