@@ -101,6 +101,15 @@ def test_embedded_sqlite_broker(sqlite_url: str, tmp_path: Path) -> None:
     exercise_worker(settings, tmp_path)
 
 
+def test_a_client_before_any_worker_finds_the_embedded_stores(sqlite_url: str, tmp_path: Path) -> None:
+    """A process that sends a task or reads a result before any worker started (the data folder does not exist
+    yet) must not fail with SQLite's "unable to open database file"."""
+    settings = make_settings(sqlite_url, tmp_path / "not-yet" / "data")
+    app = make_celery(settings)
+    assert app.AsyncResult("no-such-task").state == "PENDING"
+    app.close()
+
+
 def test_redis_broker_and_postgresql(postgresql_url: str, tmp_path: Path) -> None:
     try:
         connection = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
