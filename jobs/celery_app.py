@@ -23,13 +23,6 @@ kombu.transport.sqlalchemy.Transport.polling_interval = 0.1
 
 
 def make_celery(settings: Settings) -> Celery:
-    if any(
-        url.startswith(("sqla+sqlite:", "db+sqlite:"))
-        for url in (settings.resolved_broker_url, settings.resolved_result_backend)
-    ):
-        # The embedded broker and result store are SQLite files in the data folder: any process may be the
-        # first to open them (a client can send a task before the worker has started), so make sure it exists.
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
     app = Celery("rlhf", broker=settings.resolved_broker_url, backend=settings.resolved_result_backend)
     app.conf.update(
         task_acks_late=True,
