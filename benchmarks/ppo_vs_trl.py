@@ -21,7 +21,7 @@ Setup: ``make bench-deps`` (TRL for benchmarks only, next to the pinned stack, c
 ``pip install --no-deps trl==1.12.0``, then ``datasets``, ``accelerate`` and ``jinja2``).
 
 Run: ``python benchmarks/ppo_vs_trl.py [--sizes tiny compute] [--updates 8] [--no-memory]`` (about
-15 minutes on 2 cores).
+20 minutes on 2 cores).
 On a GPU: ``python benchmarks/ppo_vs_trl.py --sizes small --dtype bfloat16`` (GPT-2-small shapes).
 """
 
