@@ -372,10 +372,9 @@ def race(work: Workload, names: list[str], updates: int, setting: Setting) -> di
     context = multiprocessing.get_context("spawn")
     conns, processes = {}, []
     for name in names:
-        parent, child = context.Pipe()
-        process = context.Process(target=contestant, args=(name, work, WARMUP + updates, setting, child))
-        process.start()
-        conns[name], processes = parent, [*processes, process]
+        conns[name], child = context.Pipe()
+        processes.append(context.Process(target=contestant, args=(name, work, WARMUP + updates, setting, child)))
+        processes[-1].start()
     for name in names:
         if conns[name].recv() != "ready":
             raise RuntimeError(f"{name} did not start")
