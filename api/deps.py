@@ -18,8 +18,8 @@ from jobs.store.db import session_scope
 from jobs.store.models import ApiKey, Project
 from jobs.store.settings import Settings
 
-Enqueue = Callable[[str], None]
-"""Send a job to the train queue by id; called only after the job's row is committed."""
+Enqueue = Callable[[str, str], None]
+"""Send a job (id, train queue) to the workers; called only after the job's row is committed."""
 Generate = Callable[[dict[str, Any]], dict[str, Any]]
 """Run the generate task with these keyword arguments and wait for its result (blocking)."""
 

@@ -125,9 +125,11 @@ def _message(errors: Sequence[Any]) -> str:
 
 
 def _leading_field(message: str, fields: Sequence[str]) -> str | None:
-    """The field a model-level validator's message starts with ("batch_size (6) must be …" → batch_size)."""
-    match = re.match(r"[A-Za-z_]+", message.removeprefix("Value error, "))
-    return match.group(0) if match and match.group(0) in fields else None
+    """The field a model-level validator's message starts with ("batch_size (6) must be …" → batch_size), dotted
+    when it names a nested one ("hyperparameters.batch_size (6) …")."""
+    match = re.match(r"[A-Za-z_][A-Za-z_.]*", message.removeprefix("Value error, "))
+    name = match.group(0).rstrip(".") if match else ""
+    return name if name.split(".")[0] in fields else None
 
 
 def spec_error(error: ValidationError, body: dict[str, Any]) -> ApiError:
@@ -140,7 +142,7 @@ def spec_error(error: ValidationError, body: dict[str, Any]) -> ApiError:
     loc: tuple[int | str, ...] = tuple(first["loc"])
     if not loc:  # a model-level check, e.g. "reward_model is required for ppo jobs"
         field = _leading_field(first["msg"], list(JobSpec.model_fields))
-        loc = (field,) if field else ()
+        loc = tuple(field.split(".")) if field else ()
     elif loc == ("hyperparameters",) and body.get("type") in HYPERPARAMETERS:
         config = HYPERPARAMETERS[body["type"]]
         try:

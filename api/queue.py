@@ -9,14 +9,14 @@ from kombu.exceptions import OperationalError
 
 from api.deps import Enqueue, Generate
 from api.errors import ApiError
-from jobs.celery_app import GENERATE_TASK, INFERENCE_QUEUE, RUN_JOB_TASK
+from jobs.celery_app import GENERATE_TASK, INFERENCE_QUEUE, send_job
 
 logger = logging.getLogger(__name__)
 
 
 def celery_enqueue(celery: Celery) -> Enqueue:
-    def enqueue(job_id: str) -> None:
-        celery.send_task(RUN_JOB_TASK, args=[job_id])  # routed to the train queue
+    def enqueue(job_id: str, queue: str) -> None:
+        send_job(celery, job_id, queue)
 
     return enqueue
 

@@ -1,7 +1,7 @@
 """Recovery of jobs whose worker stopped renewing its lease (DESIGN §2: "by any live worker or the API").
 
 A daemon thread runs ``crud.recover_expired`` every ``interval`` seconds and, after the commit, sends the
-requeued jobs back to the train queue.
+requeued jobs back to their train queues.
 """
 
 import logging
@@ -19,13 +19,13 @@ def recover_once(settings: Settings, enqueue: Enqueue) -> list[str]:
     """One sweep; returns the ids requeued."""
     with session_scope(settings.resolved_database_url) as session:
         requeued = crud.recover_expired(session, max_attempts=settings.max_attempts)
-    for job_id in requeued:  # after the commit
+    for job_id, queue in requeued:  # after the commit
         logger.warning("job %s lost its worker; requeued", job_id)
         try:
-            enqueue(job_id)
+            enqueue(job_id, queue)
         except Exception:
             logger.exception("could not enqueue recovered job %s", job_id)
-    return requeued
+    return [job_id for job_id, _ in requeued]
 
 
 class RecoveryThread(threading.Thread):

@@ -230,6 +230,32 @@ class LoraSpec(_Strict):
         return value
 
 
+TRAIN_QUEUE = "train"
+"""The train workers' queue when a spec names none."""
+INFERENCE_QUEUE = "inference"
+"""The generate requests' queue: no training job may be routed there."""
+_QUEUE_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+
+
+class Resources(_Strict):
+    """Where a job runs, and in how many processes."""
+
+    queue: Annotated[str, Field(pattern=_QUEUE_NAME)] = TRAIN_QUEUE
+    """Queue of the train workers that may run the job: ``rlhf worker --queues <queue>`` serves it, so workers
+    with different GPUs can take different jobs. 1 to 64 of ``a-z``, ``0-9``, ``_``, ``.``, ``-``."""
+    num_processes: Annotated[int, Field(ge=1, le=64)] = 1
+    """Processes the job trains in, under ``torchrun`` with DistributedDataParallel: one per GPU of the
+    worker's host (NCCL), or CPU processes (gloo). The batch sizes stay global: each process takes
+    ``1/num_processes`` of every batch, so they must divide by it."""
+
+    @field_validator("queue")
+    @classmethod
+    def _not_inference(cls, value: str) -> str:
+        if value == INFERENCE_QUEUE:
+            raise ValueError(f"{INFERENCE_QUEUE!r} is the generate requests' queue; training jobs need a train queue")
+        return value
+
+
 HYPERPARAMETERS: dict[str, type[TrainConfig]] = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig}
 # A path or hub id is any run of printable characters without spaces.
 _MODEL_REF = re.compile(r"^(builtin:[a-z0-9-]+|job:[A-Za-z0-9_-]+(@\d+)?|[^\s\x00-\x1f\x7f\ud800-\udfff]+)$")
@@ -267,6 +293,8 @@ class JobSpec(_Strict):
     """How many of the newest checkpoints to keep; the final one is always the newest."""
     metadata: dict[Text, Text] = Field(default_factory=dict)
     """Free-form string labels: at most 16 keys of 1 to 64 characters, values up to 512 characters."""
+    resources: Resources = Field(default_factory=Resources)
+    """The worker queue, and how many processes the job trains in."""
 
     @field_validator("model", "reward_model")
     @classmethod
@@ -314,6 +342,23 @@ class JobSpec(_Strict):
             raise ValueError("reward_model is required for ppo jobs")
         if self.type != "ppo" and self.reward_model is not None:
             raise ValueError(f"reward_model applies to ppo jobs only, not {self.type}")
+        return self
+
+    @model_validator(mode="after")
+    def _batches_split_over_processes(self) -> "JobSpec":
+        """Every process takes the same share of each batch, in whole micro-batches."""
+        n = self.resources.num_processes
+        if n == 1 or "batch_size" not in self.hyperparameters:  # a hyperparameter error is reported already
+            return self
+        hp = self.hyperparameters
+        ga = hp["gradient_accumulation_steps"]
+        # PPO rolls out batch_size prompts split over the processes, then trains on minibatches split likewise
+        checks = {"batch_size": n, "mini_batch_size": n * ga} if self.type == "ppo" else {"batch_size": n * ga}
+        for name, by in checks.items():
+            if hp[name] % by:
+                of = f"resources.num_processes ({n})" if by == n else (
+                    f"resources.num_processes × gradient_accumulation_steps ({n} × {ga})")  # fmt: skip
+                raise ValueError(f"hyperparameters.{name} ({hp[name]}) must be a multiple of {of}")
         return self
 
     @property

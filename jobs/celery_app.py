@@ -9,10 +9,9 @@ worker that outlives a lost broker connection, its task included.
 import kombu.transport.sqlalchemy
 from celery import Celery
 
+from engine.config import INFERENCE_QUEUE, TRAIN_QUEUE
 from jobs.store.settings import Settings, get_settings
 
-TRAIN_QUEUE = "train"
-INFERENCE_QUEUE = "inference"
 RUN_JOB_TASK = "rlhf.run_job"
 GENERATE_TASK = "rlhf.generate"
 RECOVER_TASK = "rlhf.recover_expired"
@@ -53,6 +52,12 @@ def make_celery(settings: Settings) -> Celery:
         app.conf.result_backend_transport_options = timeout
         app.conf.visibility_timeout = settings.visibility_timeout_seconds
     return app
+
+
+def send_job(app: Celery, job_id: str, queue: str) -> None:
+    """Send job ``job_id`` to the train workers of ``queue`` (its spec's ``resources.queue``). A message for a
+    queue no worker consumes waits in the broker until one starts."""
+    app.send_task(RUN_JOB_TASK, args=[job_id], queue=queue)
 
 
 celery_app = make_celery(get_settings())

@@ -284,8 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     bind_args(p)
     p.set_defaults(func=cmd_api)
 
-    p = sub.add_parser("worker", help="a Celery worker: --queues train (one per GPU) or inference")
-    p.add_argument("--queues", default="train", help="comma-separated: train, inference")
+    p = sub.add_parser("worker", help="a Celery worker: --queues train (one per GPU), a train queue, or inference")
+    p.add_argument(
+        "--queues", default="train", help="comma-separated: train, inference, or a train queue named by resources.queue"
+    )
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("db", help="database maintenance")

@@ -20,7 +20,7 @@ from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from sqlalchemy.exc import DBAPIError
 
 from jobs import inference, runner
-from jobs.celery_app import GENERATE_TASK, RECOVER_TASK, RUN_JOB_TASK, celery_app, make_celery
+from jobs.celery_app import GENERATE_TASK, RECOVER_TASK, RUN_JOB_TASK, TRAIN_QUEUE, celery_app, make_celery, send_job
 from jobs.store import crud
 from jobs.store.db import session_scope
 from jobs.store.settings import Settings, get_settings
@@ -71,8 +71,11 @@ def run_job(self: Task, job_id: str) -> str:
         log.warning("job %s: database unavailable; trying again in %d s", job_id, DB_DOWN_RETRY_S)
         raise self.retry(exc=e, countdown=DB_DOWN_RETRY_S) from e
     if status == "queued" and runner.stopping.is_set():  # handed back (committed): send it on
-        celery_app.send_task(RUN_JOB_TASK, args=[job_id])
-        log.info("job %s: handed back to the queue", job_id)
+        with session_scope(current_settings().resolved_database_url) as session:
+            job = crud.get_job(session, job_id=job_id)
+            queue = crud.job_queue(job) if job is not None else TRAIN_QUEUE
+        send_job(celery_app, job_id, queue)
+        log.info("job %s: handed back to queue %s", job_id, queue)
     return status
 
 
@@ -89,9 +92,10 @@ def recover_expired() -> list[str]:
 def recover_and_enqueue(settings: Settings) -> list[str]:
     """Requeue jobs whose lease expired, then (after the commit) send them to the train queue."""
     with session_scope(settings.resolved_database_url) as session:
-        job_ids = crud.recover_expired(session, max_attempts=settings.max_attempts)
-    for job_id in job_ids:
-        celery_app.send_task(RUN_JOB_TASK, args=[job_id])
+        requeued = crud.recover_expired(session, max_attempts=settings.max_attempts)
+    for job_id, queue in requeued:
+        send_job(celery_app, job_id, queue)
+    job_ids = [job_id for job_id, _ in requeued]
     if job_ids:
         log.warning("requeued %d job(s) whose worker was lost: %s", len(job_ids), ", ".join(job_ids))
     return job_ids

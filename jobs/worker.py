@@ -9,6 +9,7 @@ once from threads (the loaded checkpoints are shared through the cache).
 import argparse
 import logging
 import os
+import re
 import socket
 import time
 
@@ -19,15 +20,20 @@ from jobs import tasks
 from jobs.celery_app import INFERENCE_QUEUE, TRAIN_QUEUE, celery_app
 from jobs.store.settings import Settings, get_settings
 
-QUEUES = (TRAIN_QUEUE, INFERENCE_QUEUE)
+QUEUE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+"""As a job spec's ``resources.queue``."""
 
 
 def worker_argv(queues: list[str], concurrency: int = 1, loglevel: str = "INFO") -> list[str]:
-    """The ``celery worker`` arguments for ``queues``; refuses more than one job at a time on ``train``."""
-    unknown = set(queues) - set(QUEUES)
-    if not queues or unknown:
-        raise ValueError(f"queues must be among {', '.join(QUEUES)}; got {', '.join(queues) or 'none'}")
-    if TRAIN_QUEUE in queues and concurrency != 1:
+    """The ``celery worker`` arguments for ``queues``: ``inference`` serves generate requests, any other name is
+    a train queue (``train`` by default; a job picks one with ``resources.queue``), one job at a time."""
+    bad = [q for q in queues if not QUEUE_NAME.match(q)]
+    if not queues or bad:
+        raise ValueError(
+            f"queues are names of a-z, 0-9, '_', '.', '-' ({TRAIN_QUEUE}, {INFERENCE_QUEUE}, or a train queue of your "
+            f"own such as {TRAIN_QUEUE}-a100); got {', '.join(map(repr, bad)) or 'none'}"
+        )
+    if set(queues) - {INFERENCE_QUEUE} and concurrency != 1:
         raise ValueError("a train worker runs one job at a time (concurrency 1); start one worker per GPU")
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
@@ -79,7 +85,11 @@ def start_worker(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rlhf worker", description="Run a Celery worker of rlhf-server.")
-    parser.add_argument("--queues", default=TRAIN_QUEUE, help=f"comma-separated, among {', '.join(QUEUES)}")
+    parser.add_argument(
+        "--queues",
+        default=TRAIN_QUEUE,
+        help=f"comma-separated: {INFERENCE_QUEUE}, {TRAIN_QUEUE} or another train queue named by jobs' resources.queue",
+    )
     parser.add_argument("--concurrency", type=int, default=1, help="parallel requests (inference only)")
     parser.add_argument("--loglevel", default="INFO")
     args = parser.parse_args(argv)

@@ -122,7 +122,7 @@ def create_job(
         return JobPublic.of(job)
     session.commit()
     try:
-        enqueue(job.id)
+        enqueue(job.id, crud.job_queue(job))
     except Exception as e:
         logger.exception("could not enqueue job %s", job.id)
         crud.transition(
@@ -234,7 +234,7 @@ def resume_job(session: SessionDep, project: CurrentProject, enqueue: EnqueueDep
     _control(session, job, "resume")
     session.commit()
     try:
-        enqueue(job.id)
+        enqueue(job.id, crud.job_queue(job))
     except Exception as e:
         logger.exception("could not enqueue job %s", job.id)
         crud.transition(session, job_id=job.id, from_statuses=("queued",), to="paused")

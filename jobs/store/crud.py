@@ -14,6 +14,7 @@ from sqlalchemy import Select, and_, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from engine.config import TRAIN_QUEUE
 from jobs.store.models import (
     ACTIVE_STATUSES,
     ApiKey,
@@ -206,10 +207,16 @@ def heartbeat(session: Session, *, job_id: str, worker: str, lease_seconds: int)
     return session.execute(stmt).scalar_one_or_none()
 
 
-def recover_expired(session: Session, *, max_attempts: int, now: datetime | None = None) -> list[str]:
+def job_queue(job: Job) -> str:
+    """The train queue a job is sent to: its spec's ``resources.queue``."""
+    queue: str = job.spec.get("resources", {}).get("queue", TRAIN_QUEUE)
+    return queue
+
+
+def recover_expired(session: Session, *, max_attempts: int, now: datetime | None = None) -> list[tuple[str, str]]:
     """Jobs whose worker stopped renewing its lease: back to ``queued`` with ``attempt + 1`` (past the cap:
     failed, ``worker_lost``); a lost ``pausing`` job is ``paused`` and a lost ``cancelling`` one ``cancelled``.
-    Returns the ids put back in the queue, for the caller to enqueue after commit."""
+    Returns (job id, queue) of the jobs put back in the queue, for the caller to send after commit."""
     now = now or utcnow()
     expired = list(session.scalars(select(Job).where(Job.status.in_(ACTIVE_STATUSES), Job.lease_until < now)))
     requeued = []
@@ -228,7 +235,7 @@ def recover_expired(session: Session, *, max_attempts: int, now: datetime | None
             session, job_id=job.id, from_statuses=("running",), to="queued", attempt=job.attempt + 1, **free
         ):
             add_event(session, job_id=job.id, kind="warning", message="worker lost; the job was requeued")
-            requeued.append(job.id)
+            requeued.append((job.id, job_queue(job)))
     return requeued
 
 

@@ -77,11 +77,14 @@ class Calls:
     """What the app sent to the workers (the fakes that replace Celery)."""
 
     enqueued: list[str] = field(default_factory=list)
+    queues: list[str] = field(default_factory=list)
+    """The train queue of each enqueued job."""
     generated: list[dict[str, Any]] = field(default_factory=list)
     answer: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
-    def enqueue(self, job_id: str) -> None:
+    def enqueue(self, job_id: str, queue: str) -> None:
         self.enqueued.append(job_id)
+        self.queues.append(queue)
 
     def generate(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         self.generated.append(kwargs)

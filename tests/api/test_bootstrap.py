@@ -21,7 +21,7 @@ def test_default_key_once_then_more_keys(tmp_path: Path) -> None:
 
     second = create_key(settings, "default")
     other = create_key(settings, "research")
-    with TestClient(create_app(settings, enqueue=lambda _: None, recovery_interval=None)) as client:
+    with TestClient(create_app(settings, enqueue=lambda *_: None, recovery_interval=None)) as client:
 
         def job_ids(api_key: str) -> list[str]:
             response = client.get("/v1/jobs", headers={"Authorization": f"Bearer {api_key}"})

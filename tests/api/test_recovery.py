@@ -26,7 +26,7 @@ def test_recover_once(settings: Settings, project: Project, db: Db) -> None:
     db.status(alive, "running", worker="w", lease_until=utcnow() + timedelta(minutes=5))
 
     seen: list[tuple[str, str]] = []
-    requeued = recover_once(settings, lambda job_id: seen.append((job_id, db.get(job_id).status)))
+    requeued = recover_once(settings, lambda job_id, _queue: seen.append((job_id, db.get(job_id).status)))
     assert lost in requeued and seen and set(seen) >= {(lost, "queued")}  # committed before it was enqueued
     assert (db.get(lost).status, db.get(lost).attempt) == ("queued", 2)
     assert (db.get(out_of_attempts).status, db.get(out_of_attempts).error_code) == ("failed", "worker_lost")
@@ -37,7 +37,7 @@ def test_recover_once(settings: Settings, project: Project, db: Db) -> None:
 def test_the_app_runs_recovery_in_the_background(settings: Settings, project: Project, db: Db) -> None:
     lost = expired(db, project, "running")
     enqueued: list[str] = []
-    app = create_app(settings, enqueue=enqueued.append, recovery_interval=0.05)
+    app = create_app(settings, enqueue=lambda job_id, _queue: enqueued.append(job_id), recovery_interval=0.05)
     with TestClient(app):
         deadline = time.monotonic() + 10
         while lost not in enqueued and time.monotonic() < deadline:

@@ -12,7 +12,7 @@ from tests.api.conftest import Project, error_of, make_settings
 def test_oversized_uploads_are_413(tmp_path: Path, database_url: str, project: Project) -> None:
     settings = make_settings(tmp_path, database_url, max_upload_bytes=1000)
     row = b'{"prompt": "a prompt", "completion": "a completion"}\n'
-    app = create_app(settings, enqueue=lambda _: None, recovery_interval=None)
+    app = create_app(settings, enqueue=lambda *_: None, recovery_interval=None)
     with TestClient(app, headers=project.headers) as client:
         # Over the limit, within the multipart slack: the route measures the file.
         just_over = client.post("/v1/files", files={"file": ("a.jsonl", row * 25)}, data={"purpose": "sft"})

@@ -139,7 +139,7 @@ def test_a_worker_that_lost_its_lease_writes_nothing_more(
     def expire_and_recover() -> None:
         with db.session_scope(settings.resolved_database_url) as session:
             later = utcnow() + timedelta(seconds=settings.lease_seconds + 1)
-            assert crud.recover_expired(session, max_attempts=3, now=later) == [job_id]
+            assert crud.recover_expired(session, max_attempts=3, now=later) == [(job_id, "train")]
 
     reported = hooked(monkeypatch, 3, expire_and_recover)
     assert runner.run_job(job_id, settings=settings, worker="w:1") == "queued"

@@ -29,21 +29,23 @@ def claim_expired(settings: Settings, job_id: str, worker: str = "dead:1") -> No
         assert crud.claim_job(session, job_id=job_id, worker=worker, lease_seconds=-1)
 
 
-@pytest.fixture
-def sent(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[Any], str]]:
-    """Tasks sent by name, each with the job's status at the moment of sending (read in a new session)."""
-    calls: list[tuple[str, list[Any], str]] = []
+Sent = tuple[str, list[Any], str, str]
 
-    def send_task(name: str, args: list[Any]) -> None:
-        calls.append((name, args, get_job(settings, args[0]).status))
+
+@pytest.fixture
+def sent(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> list[Sent]:
+    """Tasks sent by name, each with the job's status at the moment of sending (read in a new session) and the
+    queue it was sent to."""
+    calls: list[Sent] = []
+
+    def send_task(name: str, args: list[Any], queue: str) -> None:
+        calls.append((name, args, get_job(settings, args[0]).status, queue))
 
     monkeypatch.setattr(celery_app, "send_task", send_task)
     return calls
 
 
-def test_recovery_requeues_and_enqueues_after_commit(
-    settings: Settings, project_id: str, sent: list[tuple[str, list[Any], str]]
-) -> None:
+def test_recovery_requeues_and_enqueues_after_commit(settings: Settings, project_id: str, sent: list[Sent]) -> None:
     job_id = create_job(settings, project_id, sft_spec())
     live_id = create_job(settings, project_id, sft_spec())
     claim_expired(settings, job_id)
@@ -53,15 +55,13 @@ def test_recovery_requeues_and_enqueues_after_commit(
     requeued = tasks.recover_and_enqueue(settings)
 
     assert job_id in requeued and live_id not in requeued
-    assert (RUN_JOB_TASK, [job_id], "queued") in sent  # committed before it was sent
+    assert (RUN_JOB_TASK, [job_id], "queued", "train") in sent  # committed before it was sent
     job = get_job(settings, job_id)
     assert (job.status, job.attempt, job.worker, job.lease_until) == ("queued", 2, None, None)
     assert get_job(settings, live_id).status == "running"
 
 
-def test_recovery_fails_a_job_past_the_attempt_cap(
-    settings: Settings, project_id: str, sent: list[tuple[str, list[Any], str]]
-) -> None:
+def test_recovery_fails_a_job_past_the_attempt_cap(settings: Settings, project_id: str, sent: list[Sent]) -> None:
     capped = settings.model_copy(update={"max_attempts": 2})
     job_id = create_job(settings, project_id, sft_spec())
     claim_expired(settings, job_id)
@@ -72,7 +72,14 @@ def test_recovery_fails_a_job_past_the_attempt_cap(
 
     job = get_job(settings, job_id)
     assert (job.status, job.error_code, job.attempt) == ("failed", "worker_lost", 2)
-    assert [args for _, args, _ in sent].count([job_id]) == 1
+    assert [args for _, args, _, _ in sent].count([job_id]) == 1
+
+
+def test_a_recovered_job_goes_back_to_its_own_queue(settings: Settings, project_id: str, sent: list[Sent]) -> None:
+    job_id = create_job(settings, project_id, sft_spec(resources={"queue": "train-a100"}))
+    claim_expired(settings, job_id)
+    assert tasks.recover_and_enqueue(settings) == [job_id]
+    assert sent == [(RUN_JOB_TASK, [job_id], "queued", "train-a100")]
 
 
 def test_run_job_retries_while_the_database_is_down(monkeypatch: pytest.MonkeyPatch) -> None:

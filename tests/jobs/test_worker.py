@@ -124,5 +124,10 @@ def test_worker_arguments() -> None:
     assert "--pool=threads" in worker_argv(["inference"], concurrency=4)
     with pytest.raises(ValueError, match="one job at a time"):
         worker_argv(["train", "inference"], concurrency=2)
+    assert "--queues=train-a100" in worker_argv(["train-a100"])  # a train queue of one's own
+    with pytest.raises(ValueError, match="one job at a time"):
+        worker_argv(["train-a100"], concurrency=2)
     with pytest.raises(ValueError, match="queues"):
-        worker_argv(["gpu"])
+        worker_argv(["GPU queue"])
+    with pytest.raises(ValueError, match="queues"):
+        worker_argv([])

@@ -35,7 +35,7 @@ def test_closed_by_default(app: FastAPI, project: Project) -> None:
 
 def test_listed_origins_only(tmp_path: Path, database_url: str, project: Project) -> None:
     settings = make_settings(tmp_path, database_url, cors_origins=[DASHBOARD])
-    app = create_app(settings, enqueue=lambda _: None, recovery_interval=None)
+    app = create_app(settings, enqueue=lambda *_: None, recovery_interval=None)
     with TestClient(app, headers=project.headers) as client:
         allowed = client.get("/v1/jobs", headers={"Origin": DASHBOARD})
         assert allowed.headers["access-control-allow-origin"] == DASHBOARD

@@ -122,7 +122,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
             size=10, rows=1, path="files/file-fuzz00000000.jsonl",
         )  # fmt: skip
 
-    def enqueue(job_id: str) -> None:
+    def enqueue(job_id: str, _queue: str) -> None:
         """A worker that finishes every job at once: streams of created jobs end, and they can generate."""
         db.status(job_id, "succeeded")
         db.checkpoint(job_id, 1)

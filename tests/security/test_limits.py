@@ -48,7 +48,7 @@ def test_a_job_spec_over_1_mib_is_413(client: TestClient, settings: Settings, ca
 
 def test_the_body_cap_is_a_setting(tmp_path: Any, database_url: str, project: Project) -> None:
     settings = make_settings(tmp_path, database_url, max_request_bytes=300)
-    app = create_app(settings, enqueue=lambda _: None, recovery_interval=None)
+    app = create_app(settings, enqueue=lambda *_: None, recovery_interval=None)
     with TestClient(app, headers=project.headers) as client:
         assert client.post("/v1/jobs", json=SFT_SPEC).status_code == 201
         big = client.post("/v1/jobs", json={**SFT_SPEC, "metadata": {"note": "x" * 300}})

@@ -85,7 +85,7 @@ def test_a_line_over_the_cap_is_refused(client: TestClient, settings: Settings, 
 
 def test_the_line_cap_counts_bytes_without_the_line_ending(tmp_path: Path, database_url: str, project: Project) -> None:
     settings = make_settings(tmp_path, database_url, max_line_bytes=100)
-    app = create_app(settings, enqueue=lambda _: None, recovery_interval=None)
+    app = create_app(settings, enqueue=lambda *_: None, recovery_interval=None)
 
     def row_of(size: int) -> bytes:
         head = b'{"prompt": "p", "completion": "'
@@ -107,7 +107,7 @@ def test_the_line_cap_counts_bytes_without_the_line_ending(tmp_path: Path, datab
 @contextmanager
 def serve(settings: Settings) -> Iterator[tuple[str, int]]:
     """The app under uvicorn on a free loopback port, in a thread; its address."""
-    app = create_app(settings, enqueue=lambda _: None, recovery_interval=None)
+    app = create_app(settings, enqueue=lambda *_: None, recovery_interval=None)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -34,14 +34,22 @@ def test_create_job(client: TestClient, calls: Calls) -> None:
     assert job["created_at"].endswith(("Z", "+00:00"))
     assert job["spec"]["hyperparameters"]["max_steps"] == 7
     assert job["spec"]["hyperparameters"]["learning_rate"] == 1e-3  # defaults filled in
-    assert calls.enqueued == [job["id"]]
+    assert calls.enqueued == [job["id"]] and calls.queues == ["train"]
+    assert job["spec"]["resources"] == {"queue": "train", "num_processes": 1}
     assert client.get(f"/v1/jobs/{job['id']}").json() == job
+
+
+def test_a_job_goes_to_the_queue_its_spec_names(client: TestClient, calls: Calls) -> None:
+    spec = {**SFT_SPEC, "resources": {"queue": "train-a100", "num_processes": 2}}
+    job = client.post("/v1/jobs", json=spec).json()
+    assert calls.enqueued == [job["id"]] and calls.queues == ["train-a100"]
+    assert job["spec"]["resources"] == {"queue": "train-a100", "num_processes": 2}
 
 
 def test_enqueue_happens_after_commit(client: TestClient, calls: Calls, db: Db) -> None:
     seen: list[str] = []
 
-    def enqueue(job_id: str) -> None:
+    def enqueue(job_id: str, _queue: str) -> None:
         seen.append(db.get(job_id).status)  # another session: sees only committed rows
 
     client.app.state.enqueue = enqueue  # type: ignore[attr-defined]
@@ -50,7 +58,7 @@ def test_enqueue_happens_after_commit(client: TestClient, calls: Calls, db: Db) 
 
 
 def test_enqueue_failure_is_503_and_the_job_is_not_left_queued(client: TestClient) -> None:
-    def broken(_job_id: str) -> None:
+    def broken(_job_id: str, _queue: str) -> None:
         raise ConnectionError("broker down")
 
     client.app.state.enqueue = broken  # type: ignore[attr-defined]
@@ -80,6 +88,23 @@ def test_enqueue_failure_is_503_and_the_job_is_not_left_queued(client: TestClien
         ({**SFT_SPEC, "lora": {"r": 0}}, "lora.r", "greater than"),
         ({**SFT_SPEC, "seed": -1}, "seed", "greater than"),
         ({**PPO_SPEC, "reward_model": None}, "reward_model", "required"),
+        ({**SFT_SPEC, "resources": {"queue": "inference"}}, "resources.queue", "generate requests' queue"),
+        ({**SFT_SPEC, "resources": {"queue": "GPU Queue"}}, "resources.queue", "pattern"),
+        ({**SFT_SPEC, "resources": {"num_processes": 0}}, "resources.num_processes", "greater than"),
+        (
+            {**SFT_SPEC, "hyperparameters": {"batch_size": 6}, "resources": {"num_processes": 4}},
+            "hyperparameters.batch_size",
+            "multiple of resources.num_processes (4)",
+        ),
+        (
+            {
+                **PPO_SPEC,
+                "hyperparameters": {"batch_size": 8, "mini_batch_size": 4, "gradient_accumulation_steps": 4},
+                "resources": {"num_processes": 2},
+            },
+            "hyperparameters.mini_batch_size",
+            "num_processes × gradient_accumulation_steps (2 × 4)",
+        ),
     ],
 )
 def test_invalid_spec_is_422_naming_the_field(
@@ -284,7 +309,7 @@ def test_control_actions_refused(
 
 
 def test_resume_that_cannot_be_enqueued_stays_paused(client: TestClient, project: Project, db: Db) -> None:
-    def broken(_job_id: str) -> None:
+    def broken(_job_id: str, _queue: str) -> None:
         raise ConnectionError("broker down")
 
     client.app.state.enqueue = broken  # type: ignore[attr-defined]

@@ -125,7 +125,7 @@ def test_live_stream_follows_the_job(client: TestClient, project: Project, db: D
 
 
 def test_heartbeat_comments(settings: Settings, project: Project, db: Db) -> None:
-    app: FastAPI = create_app(settings, enqueue=lambda _: None, recovery_interval=None, poll_interval=0.01,
+    app: FastAPI = create_app(settings, enqueue=lambda *_: None, recovery_interval=None, poll_interval=0.01,
                               heartbeat_interval=0.05)  # fmt: skip
     job_id = db.job(project.id, status="running")
     with TestClient(app, headers=project.headers) as client, client.stream("GET", f"/v1/jobs/{job_id}/stream") as r:
