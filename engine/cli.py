@@ -90,12 +90,15 @@ def positive_int(text: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    quiet_transformers()
     train(parse_spec(read_spec(args.spec), str(args.spec)), args.out)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from engine.generate import generate
     from engine.models import load_causal_lm, load_tokenizer, pick_device, resolve_model_ref
+
+    quiet_transformers()
 
     ref = resolve_model_ref(args.model)
     tokenizer = load_tokenizer(ref)
@@ -109,13 +112,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from engine.demo import run_demo
 
+    quiet_transformers()
+
     started = time.perf_counter()
     report = run_demo(args.out, train)
     print(f"\n{report.table()}\npipeline finished in {time.perf_counter() - started:.0f}s; jobs in {args.out}")
 
 
 def quiet_transformers() -> None:
-    """Keep transformers' own progress bars and notices out of ours."""
+    """Keep transformers' own progress bars and notices out of ours (commands that load models call this)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -145,8 +150,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_command(args: argparse.Namespace) -> None:
-    """Run a parsed command; errors of the user's making end in one line, not a traceback."""
-    quiet_transformers()
+    """Run a parsed command; errors of the user's making end in one line, not a traceback. (Commands that load
+    models quiet transformers themselves: the service's commands must run where it is not installed.)"""
     try:
         args.func(args)
     except ValueError as e:  # bad model or dataset references, rows, sizes

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from engine.callbacks import Callbacks
 from engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_job_file
 from engine.config import JobSpec, TrainConfig
+from engine.distributed import Ranks
 from engine.models import apply_lora
 
 
@@ -84,13 +85,20 @@ def check_finite(name: str, value: float, step: int) -> None:
 
 
 class Run:
-    """One job's bookkeeping: where it resumes, when it checkpoints, how it ends."""
+    """One job's bookkeeping: where it resumes, when it checkpoints, how it ends.
 
-    def __init__(self, spec: JobSpec, out_dir: Path, callbacks: Callbacks, tokenizer: PreTrainedTokenizerBase) -> None:
+    In a job of several processes every rank keeps one; rank 0's reports, checkpoints and stop decisions
+    count (the other ranks are given callbacks that ignore everything).
+    """
+
+    def __init__(
+        self, spec: JobSpec, out_dir: Path, callbacks: Callbacks, tokenizer: PreTrainedTokenizerBase, ranks: Ranks
+    ) -> None:
         self.spec = spec
         self.out_dir = out_dir
         self.callbacks = callbacks
         self.tokenizer = tokenizer
+        self.ranks = ranks
         self.total_steps = 0
         self.last_checkpoint: Path | None = None
         found = latest_checkpoint(out_dir)
@@ -139,22 +147,30 @@ class Run:
     ) -> JobResult | None:
         """Report ``step``; checkpoint when due; returns the job's result once it is over, else None.
 
-        A checkpoint's trainer state holds optimizer and schedule, plus what ``extra_state()`` returns.
+        A checkpoint's trainer state holds optimizer and schedule, plus what ``extra_state()`` returns (called on
+        every rank, so it may gather from all of them). With several processes, ``dist/weight_spread`` reports
+        how far the ranks' trained weights are apart (0: identical), and rank 0's stop request is every rank's.
         """
+        if self.ranks.world_size > 1:
+            trained = (p for model in models.values() for p in model.parameters() if p.requires_grad)
+            metrics["dist/weight_spread"] = self.ranks.weight_spread(trained)
         self.callbacks.on_metrics(step, metrics)
         final = step >= self.total_steps
-        stop = None if final else self.callbacks.should_stop()
+        stop = None if final else self.ranks.broadcast(self.callbacks.should_stop())
         if final or stop == "pause" or step % self.spec.checkpoint_every == 0:
-            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-            self.last_checkpoint = save_checkpoint(
-                self.out_dir, step, models, self.tokenizer, {**state, **extra_state()}, keep=self.spec.keep_checkpoints
-            )
-            self.callbacks.on_checkpoint(step, self.last_checkpoint, metrics)
+            extra = extra_state()
+            if self.ranks.is_main:
+                state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), **extra}
+                self.last_checkpoint = save_checkpoint(
+                    self.out_dir, step, models, self.tokenizer, state, keep=self.spec.keep_checkpoints
+                )
+                self.callbacks.on_checkpoint(step, self.last_checkpoint, metrics)
         if final:
-            write_job_file(
-                self.out_dir,
-                {"status": "succeeded", "type": self.spec.type, "final_step": step, "spec": self.spec.model_dump()},
-            )
+            if self.ranks.is_main:
+                write_job_file(
+                    self.out_dir,
+                    {"status": "succeeded", "type": self.spec.type, "final_step": step, "spec": self.spec.model_dump()},
+                )
             return JobResult("succeeded", step, self.last_checkpoint, metrics)
         if stop is not None:
             return JobResult("paused" if stop == "pause" else "cancelled", step, self.last_checkpoint, metrics)

@@ -146,10 +146,11 @@ def fuse_activations(model: torch.nn.Module) -> None:
 
 
 def lm_logits(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, last: int = 0
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, last: int = 0
 ) -> torch.Tensor:
     """Next-token logits: (B, L) -> (B, L, V), or (B, last, V) for the last ``last`` positions only (the
     LM head, often the largest matmul of a small model, then runs on those alone). Positions follow the mask.
+    ``model`` is a causal LM, or one wrapped in DistributedDataParallel.
     """
     out = model(
         input_ids=input_ids,
@@ -161,24 +162,30 @@ def lm_logits(
     return out.logits
 
 
-def scalar_outputs(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scalar head at every position, and the backbone's hidden states.
+class ScalarHead(torch.nn.Module):
+    """A sequence-classification model read at every position: ``forward(input_ids, attention_mask)`` returns
+    the scalar head's output (B, L) and the backbone's hidden states (B, L, H). A reward is read at the last
+    valid token; a critic's values at every response position.
 
-    Returns (scores (B, L), hidden (B, L, H)). A reward is read at the last valid token; a
-    critic's values are read at every response position.
+    A module of its own (the model's forward pools at the last token), so that DistributedDataParallel can
+    wrap it: DDP averages the gradients of what runs through the forward it wraps.
     """
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).last_hidden_state  # (B, L, H)
-    head = model.score
-    assert isinstance(head, torch.nn.Module)
-    return head(hidden).squeeze(-1).float(), hidden  # (B, L), (B, L, H)
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        backbone = getattr(self.model, self.model.base_model_prefix)
+        hidden = backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        ).last_hidden_state  # (B, L, H)
+        head = self.model.score
+        assert isinstance(head, torch.nn.Module)
+        return head(hidden).squeeze(-1).float(), hidden  # (B, L), (B, L, H)
 
 
 def apply_lora(

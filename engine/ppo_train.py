@@ -3,6 +3,10 @@
 
 One step = sample a batch of prompts, roll out, shape rewards, GAE, then ``ppo_epochs`` passes of
 minibatch updates of policy and critic.
+
+In several processes, each rolls out its share of the prompts; the rollouts are gathered, so every rank
+shapes rewards and computes advantages over the whole batch (as one process would), then trains on its share
+of every minibatch, DDP averaging the gradients.
 """
 
 import math
@@ -15,8 +19,9 @@ from transformers import PreTrainedModel
 from engine.callbacks import Callbacks
 from engine.config import JobSpec, PPOConfig
 from engine.data import batch_indices, encode_prompts, encode_sft_batch, load_rows
+from engine.distributed import Ranks
 from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
-from engine.models import check_fits, load_causal_lm, load_scalar_model, load_tokenizer, prepare
+from engine.models import ScalarHead, check_fits, load_causal_lm, load_scalar_model, load_tokenizer, prepare
 from engine.ops import entropy_from_logits, masked_mean, masked_whiten
 from engine.ppo import (
     AdaptiveKLController,
@@ -29,7 +34,7 @@ from engine.ppo import (
     policy_loss,
     value_loss,
 )
-from engine.rollout import make_rollout, response_logprobs, response_values
+from engine.rollout import gather_rollout, make_rollout, response_logprobs, response_values
 from engine.sft import completion_loss_sum, count_labels
 
 MB_STATS = ("pg", "vf", "clip", "vclip", "akl", "ent", "ptx")
@@ -46,18 +51,20 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     cfg = spec.config
     assert isinstance(cfg, PPOConfig) and spec.reward_model is not None
     seed_everything(spec.seed)
+    ranks = Ranks.current()  # several processes: each rolls out and trains on its share of every batch
 
-    # 1. data: prompts, and SFT rows for the optional pretraining (ptx) loss
+    # 1. data: prompts, and SFT rows for the optional pretraining (ptx) loss; rank 0 evaluates
     prompts = [r["prompt"] for r in load_rows(spec.dataset, "ppo")]
     ptx_rows = load_rows(cfg.ptx_dataset, "sft") if cfg.ptx_dataset and cfg.ptx_coef > 0 else []
-    eval_prompts = [r["prompt"] for r in load_rows(spec.eval_dataset, "ppo")] if spec.eval_dataset else []
+    eval_rows = load_rows(spec.eval_dataset, "ppo") if spec.eval_dataset and ranks.is_main else []
+    eval_prompts = [r["prompt"] for r in eval_rows]
     eval_prompts = eval_prompts[: cfg.eval_max_prompts]
 
     # 2. models: trained policy and critic (the critic starts as the reward model, PPO-max), frozen
     #    reference (the starting policy) and frozen reward model. With LoRA the reference and the
     #    reward model are the policy's and critic's own bases with the adapters disabled (None here).
     tokenizer = load_tokenizer(spec.model)
-    run = Run(spec, out_dir, callbacks, tokenizer)
+    run = Run(spec, out_dir, callbacks, tokenizer, ranks)
 
     def causal_lm(ref: str) -> PreTrainedModel:
         return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
@@ -74,6 +81,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         check_fits(policy, cfg.max_length, "hyperparameters.max_length")
     policy_params = [p for p in policy.parameters() if p.requires_grad]
     value_params = [p for p in value_model.parameters() if p.requires_grad]
+    # trained through these (DistributedDataParallel with several processes); rollouts use the models themselves
+    trained_policy, critic = ranks.wrap(policy), ranks.wrap(ScalarHead(value_model))
     optimizer = make_optimizer(policy_params, cfg, cfg.learning_rate)
     optimizer.add_param_group({"params": value_params, "lr": cfg.value_learning_rate or cfg.learning_rate})
     scheduler = make_scheduler(optimizer, cfg, cfg.total_steps)
@@ -83,18 +92,20 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         else FixedKLController(cfg.kl_coef)
     )
     score_moments = RunningMoments()
-    generator = torch.Generator(device).manual_seed(spec.seed)  # sampling
-    shuffle = torch.Generator().manual_seed(spec.seed + 1)  # minibatch order
+    generator = torch.Generator(device).manual_seed(spec.seed + 1_000_003 * ranks.rank)  # sampling, per rank
+    shuffle = torch.Generator().manual_seed(spec.seed + 1)  # minibatch order, the same on every rank
     start_step, state = run.start(cfg.total_steps, optimizer, scheduler)
     if state:
         kl_ctl.load_state_dict(state["kl_ctl"])
         score_moments.load_state_dict(state["score_moments"])
-        generator.set_state(state["generator"])
+        generator.set_state(state["rank_generators"][ranks.rank] if ranks.world_size > 1 else state["generator"])
         shuffle.set_state(state["shuffle"])
     if done := run.result_if_finished(start_step):
         return done
     stop_token_id = tokenizer.eos_token_id if cfg.stop_token == "eos" else None
-    B, mbs, T = cfg.batch_size, cfg.micro_batch_size, cfg.response_length
+    B, T = cfg.batch_size, cfg.response_length
+    mbs = cfg.micro_batch_size // ranks.world_size  # a rank's micro-batch
+    minibatch_share = ranks.share(cfg.mini_batch_size)  # a rank's rows of each minibatch
 
     def evaluate(eval_prompts: list[str]) -> dict[str, float]:
         """Held-out prompts, sampled as in training but from their own fixed seed (training RNG untouched)."""
@@ -119,11 +130,13 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
 
     for step in range(start_step + 1, cfg.total_steps + 1):
         t0 = time.perf_counter()
-        # 1. sample a batch of prompts (left-padded)
+        # 1. sample a batch of prompts (left-padded; each rank takes its share)
         batch_prompts = [prompts[i] for i in batch_indices(len(prompts), B, spec.seed, step - 1)]
-        queries, query_mask = (t.to(device) for t in encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_length))
+        queries, query_mask = encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_length)
+        queries, query_mask = queries[ranks.share(B)].to(device), query_mask[ranks.share(B)].to(device)
 
-        # 2. rollout: responses truncated after the stop token; logprobs, ref_logprobs, values, scores
+        # 2. rollout: responses truncated after the stop token; logprobs, ref_logprobs, values, scores. Every
+        #    rank's rows are then gathered: the steps up to the PPO epochs see the whole batch.
         ro = make_rollout(
             policy,
             ref_policy,
@@ -139,6 +152,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
             generator,
             chunk_size=cfg.mini_batch_size,
         )
+        ro = gather_rollout(ro, ranks, tokenizer.pad_token_id)
         mask = ro.mask.float()  # (B, T)
         t_rollout = time.perf_counter() - t0
 
@@ -162,7 +176,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         if cfg.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
 
-        # 6. PPO epochs over minibatches, each split into micro-batches for gradient accumulation
+        # 6. PPO epochs over minibatches, each split into micro-batches for gradient accumulation (per process:
+        #    its share of every minibatch). Losses are normalised by the whole minibatch's token count.
         train_policy = step > cfg.critic_warmup_steps
         policy.train()
         value_model.train()
@@ -173,44 +188,53 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
             for m, start in enumerate(range(0, B, cfg.mini_batch_size)):
                 mb_inds = order[start : start + cfg.mini_batch_size].to(device)
                 n_tokens = mask[mb_inds].sum()
-                ptx_batch = None
+                own_inds = mb_inds[minibatch_share]
+                ptx_batch, n_ptx_tokens = None, 0
                 if ptx_rows:
                     update = ((step - 1) * cfg.ppo_epochs + epoch) * cfg.num_mini_batches + m
                     ptx_rows_mb = [
                         ptx_rows[i] for i in batch_indices(len(ptx_rows), cfg.mini_batch_size, spec.seed, update)
                     ]
-                    ptx_batch = {
-                        k: v.to(device) for k, v in encode_sft_batch(tokenizer, ptx_rows_mb, cfg.max_length).items()
-                    }
+                    ptx_encoded = encode_sft_batch(tokenizer, ptx_rows_mb, cfg.max_length)
+                    n_ptx_tokens = count_labels(ptx_encoded)
+                    ptx_batch = {k: v[minibatch_share].to(device) for k, v in ptx_encoded.items()}
                 mb_stats = torch.zeros(len(MB_STATS), device=device)  # summed over micro-batches
                 # Policy, ptx and critic losses are backpropagated one after the other (they share no
                 # parameters), so only one model's activations are held at a time. The entropy's graph (a
                 # softmax over the vocabulary) is built only when the loss uses it.
                 entropy_in_loss = train_policy and cfg.entropy_coef > 0
-                for u in range(0, cfg.mini_batch_size, mbs):
-                    inds = mb_inds[u : u + mbs]
+                scale = ranks.loss_scale  # DDP averages the ranks' gradients; each holds a share of the sum
+                for u in range(0, len(own_inds), mbs):
+                    inds = own_inds[u : u + mbs]
+                    last = u + mbs >= len(own_inds)  # DDP averages the accumulated gradients after this one
                     qr, am, mk = ro.query_responses[inds], ro.attention_mask[inds], mask[inds]
-                    with torch.set_grad_enabled(train_policy):
-                        new_logprobs, logits = response_logprobs(policy, qr, am, ro.context_length, cfg.temperature)
-                    pl = policy_loss(new_logprobs, ro.logprobs[inds], advantages[inds], mk, cfg.cliprange, n_tokens)
-                    with torch.set_grad_enabled(entropy_in_loss):
-                        entropy = (entropy_from_logits(logits) * mk).sum() / n_tokens
-                    if train_policy:
-                        (pl.pg_loss - cfg.entropy_coef * entropy if entropy_in_loss else pl.pg_loss).backward()
+                    with ranks.no_sync(trained_policy, last), torch.set_grad_enabled(train_policy):
+                        new_logprobs, logits = response_logprobs(
+                            trained_policy, qr, am, ro.context_length, cfg.temperature
+                        )
+                        pl = policy_loss(new_logprobs, ro.logprobs[inds], advantages[inds], mk, cfg.cliprange, n_tokens)
+                        with torch.set_grad_enabled(entropy_in_loss):
+                            entropy = (entropy_from_logits(logits) * mk).sum() / n_tokens
+                        if train_policy:
+                            (
+                                scale * (pl.pg_loss - cfg.entropy_coef * entropy if entropy_in_loss else pl.pg_loss)
+                            ).backward()
                     del logits, new_logprobs
                     ptx_loss = torch.zeros((), device=device)
                     if ptx_batch is not None and train_policy:
                         ptx_micro = {k: v[u : u + mbs] for k, v in ptx_batch.items()}
-                        ptx_loss = completion_loss_sum(policy, ptx_micro) / count_labels(ptx_batch)
-                        (cfg.ptx_coef * ptx_loss).backward()
-                    vpreds = response_values(value_model, qr, am, ro.context_length)  # (b, T)
-                    vf_loss, vf_clipfrac = value_loss(
-                        vpreds, ro.values[inds], returns[inds], mk, cfg.cliprange_value, n_tokens
-                    )
-                    (cfg.vf_coef * vf_loss).backward()
+                        with ranks.no_sync(trained_policy, last):
+                            ptx_loss = completion_loss_sum(trained_policy, ptx_micro) / n_ptx_tokens
+                            (scale * cfg.ptx_coef * ptx_loss).backward()
+                    with ranks.no_sync(critic, last):
+                        vpreds = response_values(critic, qr, am, ro.context_length)  # (b, T)
+                        vf_loss, vf_clipfrac = value_loss(
+                            vpreds, ro.values[inds], returns[inds], mk, cfg.cliprange_value, n_tokens
+                        )
+                        (scale * cfg.vf_coef * vf_loss).backward()
                     parts = (pl.pg_loss, vf_loss, pl.clipfrac, vf_clipfrac, pl.approxkl, entropy, ptx_loss)
                     mb_stats += torch.stack([p.detach().float() for p in parts])
-                mb = dict(zip(MB_STATS, mb_stats.tolist(), strict=True))  # one device sync per minibatch
+                mb = dict(zip(MB_STATS, ranks.sum(mb_stats).tolist(), strict=True))  # one sync per minibatch
                 check_finite("loss", mb["pg"] + mb["vf"], step)
                 mb["gn"] = clip_and_step(policy_params + value_params, optimizer, cfg.max_grad_norm)
                 for key, total in mb.items():
@@ -262,12 +286,15 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
             metrics.update(evaluate(eval_prompts))
 
         def state_fn() -> dict[str, object]:
-            return {
+            state = {
                 "kl_ctl": kl_ctl.state_dict(),
                 "score_moments": score_moments.state_dict(),
                 "generator": generator.get_state(),
                 "shuffle": shuffle.get_state(),
             }
+            if ranks.world_size > 1:  # each rank samples from its own generator
+                state["rank_generators"] = ranks.gather_objects(generator.get_state())
+            return state
 
         if result := run.end_step(step, metrics, {"policy": policy, "value": value_model}, state_fn):
             return result

@@ -13,8 +13,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from engine.callbacks import Callbacks
 from engine.config import JobSpec, RMConfig
 from engine.data import batch_indices, encode_pair, load_rows, pad_right
+from engine.distributed import Ranks
 from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
-from engine.models import check_fits, load_scalar_model, load_tokenizer, prepare, scalar_outputs
+from engine.models import ScalarHead, check_fits, load_scalar_model, load_tokenizer, prepare
 from engine.ops import last_valid_index
 
 
@@ -32,9 +33,10 @@ def encode_pairs(
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def pair_rewards(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards at the last valid token (2B,), and the backbone's hidden states (2B, L, H)."""
-    scores, hidden = scalar_outputs(model, batch["input_ids"], batch["attention_mask"])  # (2B, L)
+def pair_rewards(scalar: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards at the last valid token (2B,), and the backbone's hidden states (2B, L, H). ``scalar``: a
+    :class:`ScalarHead`, or one wrapped in DistributedDataParallel."""
+    scores, hidden = scalar(batch["input_ids"], batch["attention_mask"])  # (2B, L)
     last = last_valid_index(batch["attention_mask"])  # (2B,)
     return scores.gather(1, last.unsqueeze(1)).squeeze(1), hidden
 
@@ -53,7 +55,7 @@ def evaluate_pairs(model: PreTrainedModel, batches: list[dict[str, torch.Tensor]
     model.eval()
     margins = []
     for batch in batches:
-        rewards, _ = pair_rewards(model, batch)
+        rewards, _ = pair_rewards(ScalarHead(model), batch)
         chosen, rejected = rewards.chunk(2)
         margins.append(chosen - rejected)
     margin = torch.cat(margins)
@@ -64,15 +66,16 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
     cfg = spec.config
     assert isinstance(cfg, RMConfig)
     seed_everything(spec.seed)
+    ranks = Ranks.current()  # several processes: each takes its share of every batch
 
     # 1. data
     rows = load_rows(spec.dataset, "rm")
-    eval_rows = load_rows(spec.eval_dataset, "rm") if spec.eval_dataset else []
+    eval_rows = load_rows(spec.eval_dataset, "rm") if spec.eval_dataset and ranks.is_main else []  # rank 0 evaluates
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(rows)) // cfg.batch_size)
 
     # 2. model (scalar head on the starting model's backbone), optimizer, schedule, resume
     tokenizer = load_tokenizer(spec.model)
-    run = Run(spec, out_dir, callbacks, tokenizer)
+    run = Run(spec, out_dir, callbacks, tokenizer, ranks)
 
     def scalar_model(ref: str) -> PreTrainedModel:
         return prepare(load_scalar_model(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
@@ -80,6 +83,7 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
     model = run.load_trained("policy", spec.model, scalar_model, "SEQ_CLS")
     check_fits(model, cfg.max_length, "hyperparameters.max_length")
     params = [p for p in model.parameters() if p.requires_grad]
+    trained = ranks.wrap(ScalarHead(model))  # DistributedDataParallel with several processes
     optimizer = make_optimizer(params, cfg, cfg.learning_rate)
     scheduler = make_scheduler(optimizer, cfg, total_steps)
     start_step, _ = run.start(total_steps, optimizer, scheduler)
@@ -92,32 +96,39 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
 
     for step in range(start_step + 1, total_steps + 1):
         t0 = time.perf_counter()
-        # 3. pairwise loss over the batch, accumulated over micro-batches
+        # 3. pairwise loss over the batch, accumulated over micro-batches (per process: its share of the batch)
         batch_rows = [rows[i] for i in batch_indices(len(rows), cfg.batch_size, spec.seed, step - 1)]
-        mbs = cfg.micro_batch_size
+        share_rows = batch_rows[ranks.share(cfg.batch_size)]
+        mbs = cfg.micro_batch_size // ranks.world_size
         micro_batches = [
-            {k: v.to(device) for k, v in encode_pairs(tokenizer, batch_rows[i : i + mbs], cfg.max_length).items()}
-            for i in range(0, cfg.batch_size, mbs)
+            {k: v.to(device) for k, v in encode_pairs(tokenizer, share_rows[i : i + mbs], cfg.max_length).items()}
+            for i in range(0, len(share_rows), mbs)
         ]
-        n_lm_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
+        # token counts of the whole batch: LM tokens (the LM loss is their mean), and every token (throughput)
+        counts = torch.tensor(
+            [[int((b["labels"][:, 1:] != -100).sum()), int(b["attention_mask"].sum())] for b in micro_batches]
+        ).sum(0)
+        n_lm_tokens, n_seen = ranks.sum(counts).tolist()
         model.train()
-        loss_sum, margins = 0.0, []
-        for batch in micro_batches:
-            rewards, hidden = pair_rewards(model, batch)  # (2b,)
-            chosen, rejected = rewards.chunk(2)  # (b,), (b,)
-            loss = -F.logsigmoid(chosen - rejected - cfg.margin).sum() / cfg.batch_size
-            if cfg.lm_loss_coef > 0:
-                loss = loss + cfg.lm_loss_coef * lm_loss_sum(model, hidden, batch["labels"]) / n_lm_tokens
-            loss.backward()
-            loss_sum += loss.item()
+        loss_total, margins = torch.zeros((), device=device), []
+        for i, batch in enumerate(micro_batches):
+            with ranks.no_sync(trained, last=i == len(micro_batches) - 1):
+                rewards, hidden = pair_rewards(trained, batch)  # (2b,)
+                chosen, rejected = rewards.chunk(2)  # (b,), (b,)
+                loss = -F.logsigmoid(chosen - rejected - cfg.margin).sum() / cfg.batch_size
+                if cfg.lm_loss_coef > 0:
+                    loss = loss + cfg.lm_loss_coef * lm_loss_sum(model, hidden, batch["labels"]) / n_lm_tokens
+                (loss * ranks.loss_scale).backward()
+            loss_total += loss.detach()
             margins.append((chosen - rejected).detach())
+        loss_sum = ranks.sum(loss_total).item()
         check_finite("loss/rm", loss_sum, step)
         lr = optimizer.param_groups[0]["lr"]
         grad_norm = clip_and_step(params, optimizer, cfg.max_grad_norm)
         scheduler.step()
 
         # 4. metrics, eval, checkpoint, stop request
-        margin = torch.cat(margins)
+        margin = ranks.gather(torch.cat(margins))  # (B,)
         elapsed = time.perf_counter() - t0
         metrics = {
             "loss/rm": loss_sum,
@@ -126,7 +137,7 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
             "lr": lr,
             "grad_norm": grad_norm,
             "time/step_s": elapsed,
-            "throughput/tokens_per_s": sum(int(b["attention_mask"].sum()) for b in micro_batches) / elapsed,
+            "throughput/tokens_per_s": n_seen / elapsed,
         }
         if eval_batches and (step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             metrics["eval/accuracy"], metrics["eval/margin"] = evaluate_pairs(model, eval_batches)

@@ -4,13 +4,14 @@ Every forward here runs under ``torch.inference_mode()``; the training forwards 
 """
 
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 from transformers import PreTrainedModel
 
+from engine.distributed import Ranks
 from engine.generate import sample
-from engine.models import lm_logits, scalar_outputs
+from engine.models import ScalarHead, lm_logits
 from engine.ops import last_valid_index, logprobs_from_logits, truncate_after_stop
 
 
@@ -40,7 +41,7 @@ class Rollout:
 
 
 def response_logprobs(
-    model: PreTrainedModel,
+    model: torch.nn.Module,
     query_responses: torch.Tensor,
     attention_mask: torch.Tensor,
     context_length: int,
@@ -53,10 +54,10 @@ def response_logprobs(
 
 
 def response_values(
-    model: PreTrainedModel, query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int
+    critic: torch.nn.Module, query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int
 ) -> torch.Tensor:
-    """Critic values for the states before each response token: (B, T)."""
-    values, _ = scalar_outputs(model, query_responses, attention_mask)  # (B, P + T)
+    """Critic values for the states before each response token: (B, T). ``critic``: a :class:`ScalarHead`."""
+    values, _ = critic(query_responses, attention_mask)  # (B, P + T)
     return values[:, context_length - 1 : -1]
 
 
@@ -64,7 +65,7 @@ def sequence_scores(
     model: PreTrainedModel, query_responses: torch.Tensor, attention_mask: torch.Tensor
 ) -> torch.Tensor:
     """Reward model score at each sequence's last kept token: (B,)."""
-    scores, _ = scalar_outputs(model, query_responses, attention_mask)  # (B, P + T)
+    scores, _ = ScalarHead(model)(query_responses, attention_mask)  # (B, P + T)
     return scores.gather(1, last_valid_index(attention_mask).unsqueeze(1)).squeeze(1)
 
 
@@ -115,7 +116,7 @@ def make_rollout(
         qr, am = query_responses[i : i + chunk_size], attention_mask[i : i + chunk_size]
         with base_of(policy) if ref_policy is None else nullcontext():
             ref_logprobs.append(response_logprobs(ref_policy or policy, qr, am, P, temperature)[0])
-        values.append(response_values(value_model, qr, am, P))
+        values.append(response_values(ScalarHead(value_model), qr, am, P))
         with base_of(value_model) if reward_model is None else nullcontext():
             scores.append(sequence_scores(reward_model or value_model, qr, am))
     return Rollout(
@@ -130,3 +131,34 @@ def make_rollout(
         values=torch.cat(values),
         scores=torch.cat(scores),
     )
+
+
+def pad_responses(ro: Rollout, length: int, pad_token_id: int) -> Rollout:
+    """``ro`` with its responses padded to ``length`` tokens (masked out, zero log-probabilities and values)."""
+    extra = length - ro.responses.shape[1]
+    if extra == 0:
+        return ro
+
+    def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, extra), value=value)
+
+    return replace(
+        ro,
+        query_responses=pad(ro.query_responses, pad_token_id),
+        attention_mask=pad(ro.attention_mask, 0),
+        responses=pad(ro.responses, pad_token_id),
+        mask=pad(ro.mask, 0),
+        logprobs=pad(ro.logprobs, 0),
+        ref_logprobs=pad(ro.ref_logprobs, 0),
+        values=pad(ro.values, 0),
+    )
+
+
+def gather_rollout(ro: Rollout, ranks: Ranks, pad_token_id: int) -> Rollout:
+    """Every rank's rollout rows, in rank order: the whole batch, on every rank. Responses are first padded to
+    the longest of any rank (sampling stops early when all of a rank's rows have stopped)."""
+    if ranks.world_size == 1:
+        return ro
+    ro = pad_responses(ro, ranks.max(ro.responses.shape[1]), pad_token_id)
+    tensors = {f.name: ranks.gather(getattr(ro, f.name)) for f in fields(ro) if f.name != "context_length"}
+    return Rollout(context_length=ro.context_length, **tensors)

@@ -10,12 +10,14 @@ from transformers import PreTrainedModel
 from engine.callbacks import Callbacks
 from engine.config import JobSpec, SFTConfig
 from engine.data import batch_indices, encode_sft_batch, load_rows
+from engine.distributed import Ranks
 from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
 from engine.models import check_fits, lm_logits, load_causal_lm, load_tokenizer, prepare
 
 
-def completion_loss_sum(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed cross-entropy of every labelled (completion) token; divide by the token count yourself."""
+def completion_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed cross-entropy of every labelled (completion) token; divide by the token count yourself. ``model``:
+    a causal LM, or one wrapped in DistributedDataParallel."""
     logits = lm_logits(model, batch["input_ids"], batch["attention_mask"])  # (B, L, V)
     return F.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum"
@@ -38,15 +40,16 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     cfg = spec.config
     assert isinstance(cfg, SFTConfig)
     seed_everything(spec.seed)
+    ranks = Ranks.current()  # several processes: each takes its share of every batch
 
     # 1. data: the batch order is a function of (seed, step), so resuming needs only the step
     rows = load_rows(spec.dataset, "sft")
-    eval_rows = load_rows(spec.eval_dataset, "sft") if spec.eval_dataset else []
+    eval_rows = load_rows(spec.eval_dataset, "sft") if spec.eval_dataset and ranks.is_main else []  # rank 0 evaluates
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(rows)) // cfg.batch_size)
 
     # 2. model, optimizer and schedule, restored from the last checkpoint when there is one
     tokenizer = load_tokenizer(spec.model)
-    run = Run(spec, out_dir, callbacks, tokenizer)
+    run = Run(spec, out_dir, callbacks, tokenizer, ranks)
 
     def causal_lm(ref: str) -> PreTrainedModel:
         return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
@@ -54,6 +57,7 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     model = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
     check_fits(model, cfg.max_length, "hyperparameters.max_length")
     params = [p for p in model.parameters() if p.requires_grad]
+    trained = ranks.wrap(model)  # DistributedDataParallel with several processes
     optimizer = make_optimizer(params, cfg, cfg.learning_rate)
     scheduler = make_scheduler(optimizer, cfg, total_steps)
     start_step, _ = run.start(total_steps, optimizer, scheduler)
@@ -64,19 +68,25 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         for i in range(0, len(eval_rows), 64)
     ]
 
+    micro_size = cfg.micro_batch_size // ranks.world_size
     for step in range(start_step + 1, total_steps + 1):
         t0 = time.perf_counter()
-        # 3. one optimizer step over `batch_size` examples in `gradient_accumulation_steps` micro-batches
+        # 3. one optimizer step over `batch_size` examples in `gradient_accumulation_steps` micro-batches (per
+        #    process: its share of the batch, in micro-batches as many)
         batch_rows = [rows[i] for i in batch_indices(len(rows), cfg.batch_size, spec.seed, step - 1)]
-        batch = {k: v.to(device) for k, v in encode_sft_batch(tokenizer, batch_rows, cfg.max_length).items()}
+        batch = encode_sft_batch(tokenizer, batch_rows, cfg.max_length)
         n_tokens = count_labels(batch)  # the loss is a mean over the whole batch's completion tokens
+        n_seen = int(batch["attention_mask"].sum())
+        share = {k: v[ranks.share(cfg.batch_size)].to(device) for k, v in batch.items()}
         model.train()
-        loss_sum = 0.0
-        for mb in range(0, cfg.batch_size, cfg.micro_batch_size):
-            micro = {k: v[mb : mb + cfg.micro_batch_size] for k, v in batch.items()}
-            loss = completion_loss_sum(model, micro)
-            (loss / n_tokens).backward()
-            loss_sum += loss.item()
+        loss_total = torch.zeros((), device=device)
+        for mb in range(0, len(share["input_ids"]), micro_size):
+            micro = {k: v[mb : mb + micro_size] for k, v in share.items()}
+            with ranks.no_sync(trained, last=mb + micro_size == len(share["input_ids"])):
+                loss = completion_loss_sum(trained, micro)
+                (loss * ranks.loss_scale / n_tokens).backward()
+            loss_total += loss.detach()
+        loss_sum = ranks.sum(loss_total).item()
         check_finite("loss/sft", loss_sum, step)
         lr = optimizer.param_groups[0]["lr"]
         grad_norm = clip_and_step(params, optimizer, cfg.max_grad_norm)
@@ -89,7 +99,7 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
             "lr": lr,
             "grad_norm": grad_norm,
             "time/step_s": elapsed,
-            "throughput/tokens_per_s": int(batch["attention_mask"].sum()) / elapsed,
+            "throughput/tokens_per_s": n_seen / elapsed,
         }
         if eval_batches and (step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             metrics["eval/loss"] = eval_loss(model, eval_batches)

@@ -8,6 +8,9 @@ A job resumed after its worker was lost starts again from its newest checkpoint:
 worker recorded for later steps are deleted and computed again, so the history holds every step once,
 with the values of the run that produced the final weights.
 
+A job with ``resources.num_processes > 1`` trains under torchrun (jobs/distributed.py); this worker still does
+all of the above, answering rank 0's callbacks.
+
 A worker asked to stop (SIGTERM, Ctrl-C: :data:`stopping`) does not hold its shutdown up until the job
 ends: the job finishes its current step, checkpoints and goes back to the queue (``queued``, the same
 attempt: nothing was lost), and the task sends it to another worker.
@@ -36,6 +39,7 @@ from engine.data import DatasetError
 from engine.loop import NonFiniteLossError
 from engine.models import ModelNotFoundError
 from engine.run import run_job as run_engine
+from jobs.distributed import RankFailure, run_distributed
 from jobs.store import crud, refs
 from jobs.store.db import session_scope
 from jobs.store.models import ACTIVE_STATUSES, utcnow
@@ -381,11 +385,19 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
         return _failure("invalid_spec", format_errors(e) if isinstance(e, ValidationError) else str(e))
     log.info("job %s: %s job starting in %s", job_id, spec.type, out_dir)
 
-    # 3. train, resuming from the newest checkpoint in out_dir if there is one
+    # 3. train, resuming from the newest checkpoint in out_dir if there is one: in this process, or in
+    #    resources.num_processes processes under torchrun
+    processes = spec.resources.num_processes
     try:
-        result = run_engine(spec, out_dir, callbacks)
+        if processes == 1:
+            result = run_engine(spec, out_dir, callbacks)
+        else:
+            result = run_distributed(spec, out_dir, callbacks, processes)
     except LeaseLostError:
         raise
+    except RankFailure as e:
+        log.error("job %s failed in one of its processes: %s", job_id, e)
+        return _failure(e.code, e.message)
     except Exception as e:
         log.exception("job %s failed", job_id)
         return _failure(error_code(e), str(e) or type(e).__name__)

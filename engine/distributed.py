@@ -1,0 +1,137 @@
+"""Data parallelism: one job in several processes (``torchrun``), with DistributedDataParallel.
+
+Whoever starts the processes initialises the process group (``jobs/distributed.py`` for the service); the
+loops read it through :meth:`Ranks.current`. Without a process group every method here is a no-op, so the
+loops are written once for both cases.
+
+How a loop uses it: every rank loads the same models and reads the same (seeded) batch order, takes its
+:meth:`Ranks.share` of each global batch, and trains the model wrapped by :meth:`Ranks.wrap`. DDP averages
+gradients over the ranks, so each rank scales the loss it backpropagates by the world size
+(:attr:`Ranks.loss_scale`), and the averaged gradient is the gradient of the global batch's loss: the same
+as one process training on the whole batch. Rank 0 reports metrics, answers stop requests (broadcast to
+the others, so all stop together) and writes checkpoints.
+"""
+
+import inspect
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the job's processes."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def current(cls) -> "Ranks":
+        """From the initialised process group, or a single process when there is none."""
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: reports, checkpoints and decides when to stop."""
+        return self.rank == 0
+
+    @property
+    def loss_scale(self) -> int:
+        """Multiply a rank's share of the loss by this before backward (DDP divides the summed gradient by it)."""
+        return self.world_size
+
+    def share(self, n: int) -> slice:
+        """This rank's rows of a batch of ``n`` (which the job spec's checks make divide evenly)."""
+        per = n // self.world_size
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` in DistributedDataParallel (the module itself for one process). Train through the wrapper;
+        sample, evaluate and save the module itself. Buffers are not broadcast: every rank holds the same ones,
+        and a broadcast per forward would tie evaluation on rank 0 alone to the other ranks."""
+        if self.world_size == 1:
+            return module
+        device = next(module.parameters()).device
+        device_ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids, **_NO_BUFFER_SYNC)
+
+    def no_sync(self, wrapped: torch.nn.Module, last: bool) -> AbstractContextManager[Any]:
+        """Around a micro-batch's forward and backward: gradients are averaged only on the step's ``last``
+        micro-batch (the ones before it accumulate locally)."""
+        if isinstance(wrapped, DistributedDataParallel) and not last:
+            return wrapped.no_sync()
+        return nullcontext()
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over the ranks (in place), e.g. of per-rank partial losses."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def max(self, value: int) -> int:
+        """The largest ``value`` of any rank."""
+        if self.world_size == 1:
+            return value
+        tensor = torch.tensor([value], device=_device())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (same shape on all ranks) concatenated along the first dimension, in rank order."""
+        if self.world_size == 1:
+            return tensor
+        if tensor.dtype == torch.bool:  # not every backend gathers booleans
+            return self.gather(tensor.to(torch.uint8)).bool()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    def gather_objects(self, obj: T) -> list[T]:
+        """Every rank's picklable ``obj``, in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's picklable ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def weight_spread(self, params: Iterable[torch.nn.Parameter]) -> float:
+        """How far the ranks' copies of ``params`` are apart: the range over ranks of a float64 fingerprint
+        (sum of the values and of their squares). DDP keeps the copies bit-identical, so anything but 0 means
+        they diverged."""
+        fingerprint = torch.zeros(2, dtype=torch.float64, device=_device())
+        for p in params:
+            values = p.detach().double()
+            fingerprint += torch.stack([values.sum(), values.square().sum()]).to(fingerprint.device)
+        everyone = self.gather(fingerprint.unsqueeze(0))  # (world, 2)
+        return (everyone.max(0).values - everyone.min(0).values).max().item()
+
+
+# Named forward_sync_buffers since torch 2.13 (broadcast_buffers before).
+_NO_BUFFER_SYNC: dict[str, Any] = {
+    "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else "broadcast_buffers": False
+}  # fmt: skip
+
+
+def _device() -> torch.device:
+    """Where collectives run: the current GPU under NCCL, else the CPU (gloo)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
