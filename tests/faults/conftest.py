@@ -34,7 +34,7 @@ from sqlalchemy import func, select
 from engine.callbacks import Callbacks
 from engine.config import JobSpec
 from engine.run import run_job as run_engine
-from jobs.celery_app import RUN_JOB_TASK, make_celery
+from jobs.celery_app import RUN_JOB_TASK, make_celery, send_job
 from jobs.store import crud, db, migrate, refs
 from jobs.store.models import Event, Job, Metric
 from jobs.store.settings import Settings
@@ -504,3 +504,30 @@ def wait_ready(process: Process, timeout: float = 60) -> None:
         return " ready." in process.log.read_text(errors="replace")
 
     wait_until(ready, timeout, f"{process.name} {process.pid} to be ready", process.tail)
+
+
+# --- scale-out: train queues and short SFT jobs -------------------------------------------------
+
+
+def queue_worker(processes: Processes, backend: Backend, queue: str) -> Process:
+    """``rlhf worker --queues <queue>``: a train worker of that queue, its log named after it."""
+    return processes.start(backend, f"worker-{queue}", "worker", "--queues", queue)
+
+
+def send_to(backend: Backend, job_id: str, queue: str) -> None:
+    """Send the job to ``queue`` as the API does for a spec's ``resources.queue``."""
+    app = make_celery(backend.settings)
+    try:
+        send_job(app, job_id, queue)
+    finally:
+        app.close()
+
+
+def create_job(backend: Backend, spec: dict[str, Any], project_id: str | None = None) -> str:
+    """A queued job of ``spec``, stored as the API does (validated, defaults filled in); not sent yet."""
+    stored = JobSpec.model_validate(spec).model_dump(mode="json")
+    with db.session_scope(backend.url) as session:
+        if project_id is None:
+            project_id = crud.create_project(session, name="faults").id
+        job, _ = crud.create_job(session, project_id=project_id, spec=stored, idempotency_key=None)
+        return job.id
