@@ -8,7 +8,7 @@ PIP := $(PYTHON) -m pip
 # unpinned torch would pull a multi-GB CUDA build.
 install:
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[train,dev]'
 
 demo: install
 	$(PYTHON) -m jobs.cli demo
