@@ -216,9 +216,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
                         with torch.set_grad_enabled(entropy_in_loss):
                             entropy = (entropy_from_logits(logits) * mk).sum() / n_tokens
                         if train_policy:
-                            (
-                                scale * (pl.pg_loss - cfg.entropy_coef * entropy if entropy_in_loss else pl.pg_loss)
-                            ).backward()
+                            objective = pl.pg_loss - cfg.entropy_coef * entropy if entropy_in_loss else pl.pg_loss
+                            (scale * objective).backward()
                     del logits, new_logprobs
                     ptx_loss = torch.zeros((), device=device)
                     if ptx_batch is not None and train_policy:
