@@ -180,6 +180,29 @@ class PPOConfig(TrainConfig):
     ``eval/scores``, ``eval/kl`` and ``eval/length_mean``."""
     eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
     """Use at most this many eval prompts (the first ones)."""
+    on_collapse: Literal["off", "warn", "pause", "stop"] = "warn"
+    """What a collapse signal (seeds/003: a jump of reward or KL, a fall of perplexity, a blow-up of response
+    length; thresholds below) does: "warn" records a ``warning`` event per signal and trains on; "pause" also
+    ends the job paused without checkpointing the anomalous step, so its newest checkpoint is from before;
+    "stop" ends it failed (error code ``training_collapse``), also without that checkpoint; "off": no check."""
+    collapse_window: Annotated[int, Field(ge=2, le=1000)] = 20
+    """Recent steps each collapse signal is compared with (their median)."""
+    collapse_warmup: Annotated[int, Field(ge=1, le=1000)] = 5
+    """Steps of history before the collapse signals are judged; at most ``collapse_window``."""
+    collapse_reward_z: Annotated[float, Field(gt=0, le=1e6)] | None = 6.0
+    """``reward_jump``: ``objective/scores`` more than this many spreads above its median, the spread being the
+    larger of the window's standard deviation and 1.4826 × its median absolute deviation (None: off)."""
+    collapse_kl_factor: Annotated[float, Field(gt=1, le=1e6)] | None = 3.0
+    """``kl_jump``: ``objective/kl`` at least this many times its median, and at least ``collapse_kl_min``
+    (None: off)."""
+    collapse_kl_min: Annotated[float, Field(ge=0, le=1e6)] = 1.0
+    """The smallest ``objective/kl`` (nats per sequence) a ``kl_jump`` is raised for."""
+    collapse_perplexity_ratio: Annotated[float, Field(gt=0, lt=1)] | None = 0.5
+    """``perplexity_collapse``: log ``response/perplexity`` below this fraction of its median's (0.5: a median
+    perplexity of 4 fell below 2), the policy became near-deterministic (None: off)."""
+    collapse_length_factor: Annotated[float, Field(gt=1, le=1000)] | None = 1.5
+    """``length_blowup``: ``response/length_mean`` at least this many times its median, or every response at
+    ``response_length`` while the median was below it (None: off)."""
 
     @property
     def micro_batch_size(self) -> int:
@@ -199,6 +222,10 @@ class PPOConfig(TrainConfig):
             raise ValueError("ptx_dataset is required when ptx_coef > 0")
         if self.ptx_dataset is not None:
             _check_dataset_ref(self.ptx_dataset, "sft")
+        if self.collapse_warmup > self.collapse_window:
+            raise ValueError(
+                f"collapse_warmup ({self.collapse_warmup}) must be at most collapse_window ({self.collapse_window})"
+            )
         return self
 
 

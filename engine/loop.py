@@ -28,9 +28,9 @@ class NonFiniteLossError(RuntimeError):
 class JobResult:
     status: Literal["succeeded", "paused", "cancelled"]
     step: int
-    """Last completed optimizer step."""
+    """Last completed optimizer step (of a halted job: the step it halted at, reported but not checkpointed)."""
     checkpoint: Path | None
-    """The checkpoint written last, if any."""
+    """The checkpoint written last, if any (of a halted job: the newest one, from before the halt)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Metrics of the last completed step."""
 
@@ -151,10 +151,7 @@ class Run:
         every rank, so it may gather from all of them). With several processes, ``dist/weight_spread`` reports
         how far the ranks' trained weights are apart (0: identical), and rank 0's stop request is every rank's.
         """
-        if self.ranks.world_size > 1:
-            trained = (p for model in models.values() for p in model.parameters() if p.requires_grad)
-            metrics["dist/weight_spread"] = self.ranks.weight_spread(trained)
-        self.callbacks.on_metrics(step, metrics)
+        self._report(step, metrics, models)
         final = step >= self.total_steps
         stop = None if final else self.ranks.broadcast(self.callbacks.should_stop())
         if final or stop == "pause" or step % self.spec.checkpoint_every == 0:
@@ -175,6 +172,39 @@ class Run:
         if stop is not None:
             return JobResult("paused" if stop == "pause" else "cancelled", step, self.last_checkpoint, metrics)
         return None
+
+    def halt(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        models: dict[str, PreTrainedModel],
+        reason: str,
+        error: Exception | None = None,
+    ) -> JobResult:
+        """Report ``step`` and end the job there without checkpointing it, so that its newest checkpoint is one
+        from before (a step judged anomalous must not become the one a resume or a deployment starts from).
+
+        Raises ``error`` when given (the job fails); otherwise records an ``info`` event giving ``reason`` and
+        returns a paused result naming the newest checkpoint, if any. Every rank must call this at the same
+        step (no stop request is exchanged).
+        """
+        self._report(step, metrics, models)
+        if error is not None:
+            raise error
+        newest = latest_checkpoint(self.out_dir)
+        shown = f"step {newest[0]}" if newest else "none (a resume starts afresh)"
+        self.callbacks.on_event(
+            "info",
+            f"paused at step {step} without checkpointing it: {reason}; newest checkpoint: {shown}",
+            {"step": step, "checkpoint_step": newest[0] if newest else None},
+        )
+        return JobResult("paused", step, newest[1] if newest else None, metrics)
+
+    def _report(self, step: int, metrics: dict[str, float], models: dict[str, PreTrainedModel]) -> None:
+        if self.ranks.world_size > 1:
+            trained = (p for model in models.values() for p in model.parameters() if p.requires_grad)
+            metrics["dist/weight_spread"] = self.ranks.weight_spread(trained)
+        self.callbacks.on_metrics(step, metrics)
 
     def result_if_finished(self, start_step: int) -> JobResult | None:
         """A job resumed from its final checkpoint has nothing left to do."""

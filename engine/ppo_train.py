@@ -20,6 +20,7 @@ from engine.callbacks import Callbacks
 from engine.config import JobSpec, PPOConfig
 from engine.data import batch_indices, encode_prompts, encode_sft_batch, load_rows
 from engine.distributed import Ranks
+from engine.health import CollapseMonitor, TrainingCollapseError
 from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
 from engine.models import ScalarHead, check_fits, load_causal_lm, load_scalar_model, load_tokenizer, prepare
 from engine.ops import entropy_from_logits, masked_mean, masked_whiten
@@ -92,12 +93,24 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         else FixedKLController(cfg.kl_coef)
     )
     score_moments = RunningMoments()
+    monitor = CollapseMonitor(
+        window=cfg.collapse_window,
+        warmup=cfg.collapse_warmup,
+        reward_z=cfg.collapse_reward_z,
+        kl_factor=cfg.collapse_kl_factor,
+        kl_min=cfg.collapse_kl_min,
+        perplexity_ratio=cfg.collapse_perplexity_ratio,
+        length_factor=cfg.collapse_length_factor,
+        max_length=cfg.response_length,
+    )
     generator = torch.Generator(device).manual_seed(spec.seed + 1_000_003 * ranks.rank)  # sampling, per rank
     shuffle = torch.Generator().manual_seed(spec.seed + 1)  # minibatch order, the same on every rank
     start_step, state = run.start(cfg.total_steps, optimizer, scheduler)
     if state:
         kl_ctl.load_state_dict(state["kl_ctl"])
         score_moments.load_state_dict(state["score_moments"])
+        if "collapse_monitor" in state:  # absent from checkpoints written before the monitor existed
+            monitor.load_state_dict(state["collapse_monitor"])
         generator.set_state(state["rank_generators"][ranks.rank] if ranks.world_size > 1 else state["generator"])
         shuffle.set_state(state["shuffle"])
     if done := run.result_if_finished(start_step):
@@ -284,10 +297,23 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         if eval_prompts and (step == cfg.total_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             metrics.update(evaluate(eval_prompts))
 
+        # 8. collapse signals (seeds/003), from metrics every rank computed alike: each takes the same decision
+        if cfg.on_collapse != "off" and (alerts := monitor.update(step, metrics)):
+            for alert in alerts:
+                callbacks.on_event("warning", alert.message, alert.data())
+            if cfg.on_collapse in ("pause", "stop"):
+                models = {"policy": policy, "value": value_model}
+                names = ", ".join(alert.signal for alert in alerts)
+                reason = f"training collapse at step {step} ({names})"
+                if cfg.on_collapse == "stop":  # halt raises the error: the job fails
+                    run.halt(step, metrics, models, reason, TrainingCollapseError(f"{reason}; on_collapse is stop"))
+                return run.halt(step, metrics, models, reason)
+
         def state_fn() -> dict[str, object]:
             state = {
                 "kl_ctl": kl_ctl.state_dict(),
                 "score_moments": score_moments.state_dict(),
+                "collapse_monitor": monitor.state_dict(),
                 "generator": generator.get_state(),
                 "shuffle": shuffle.get_state(),
             }

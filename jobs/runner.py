@@ -36,6 +36,7 @@ from engine.callbacks import Callbacks, StopRequest
 from engine.checkpoint import list_checkpoints
 from engine.config import JobSpec, format_errors
 from engine.data import DatasetError
+from engine.health import TrainingCollapseError
 from engine.loop import NonFiniteLossError
 from engine.models import ModelNotFoundError
 from engine.run import run_job as run_engine
@@ -312,6 +313,8 @@ def error_code(error: BaseException) -> str:
         return "model_not_found"
     if isinstance(error, NonFiniteLossError):
         return "non_finite_loss"
+    if isinstance(error, TrainingCollapseError):
+        return "training_collapse"  # a PPO collapse signal, with hyperparameters.on_collapse "stop"
     if isinstance(error, torch.cuda.OutOfMemoryError | MemoryError):
         return "out_of_memory"
     if isinstance(error, ValueError):

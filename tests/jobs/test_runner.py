@@ -13,6 +13,7 @@ import torch
 from sqlalchemy.exc import OperationalError
 
 from engine.data import DatasetError
+from engine.health import TrainingCollapseError
 from engine.loop import NonFiniteLossError
 from engine.models import ModelNotFoundError
 from jobs import runner
@@ -323,6 +324,7 @@ def raised(f: Callable[[], None]) -> BaseException:
         (ModelNotFoundError("cannot load 'x'"), "model_not_found"),
         (raised(from_pretrained), "model_not_found"),
         (NonFiniteLossError("loss/sft is nan at step 3"), "non_finite_loss"),
+        (TrainingCollapseError("training collapse at step 8 (kl_jump); on_collapse is stop"), "training_collapse"),
         (torch.cuda.OutOfMemoryError("CUDA out of memory"), "out_of_memory"),
         (MemoryError(), "out_of_memory"),
         (ValueError("max_new_tokens + a one-token prompt (200 tokens) exceeds the model's context"), "invalid_spec"),

@@ -1,0 +1,193 @@
+"""Training-health alerts for PPO: the collapse signals of seeds/003 (MOSS-RLHF, arXiv:2307.04964 §2.1).
+
+A policy that found a shortcut in the reward model shows it in four curves at once, at the same step: the
+reward jumps, the KL to the reference jumps, the perplexity of its own samples falls (it became
+near-deterministic: mode collapse) and the responses grow long. :class:`CollapseMonitor` watches these
+against a short window of recent steps and names the signals of a step that broke away from it.
+
+Pure Python (no torch): it reads only metrics that every process of a job computes alike from the gathered
+batch (never a ``time/*`` metric), so every rank takes the same decision at the same step.
+"""
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from statistics import median, pstdev
+from typing import Any, Literal
+
+Signal = Literal["reward_jump", "kl_jump", "perplexity_collapse", "length_blowup"]
+
+WATCHED = {
+    "reward": "objective/scores",
+    "kl": "objective/kl",
+    "perplexity": "response/perplexity",
+    "length": "response/length_mean",
+}
+"""The series the monitor keeps, and the metric each is read from."""
+
+MAD_TO_STD = 1.4826
+"""Scales a median absolute deviation to a standard deviation for normal data."""
+
+MIN_SPREAD_FRACTION = 0.05
+"""A z-score's spread is at least this fraction of the baseline's size, so a near-constant history (a few
+identical values) does not turn ordinary noise into a huge z-score."""
+
+MIN_SPREAD = 1e-3
+"""And at least this, for a baseline near zero."""
+
+
+class TrainingCollapseError(RuntimeError):
+    """A collapse signal fired and the job's ``on_collapse`` is ``"stop"``: the job fails (no checkpoint of
+    the anomalous step is written)."""
+
+
+@dataclass(frozen=True)
+class Alert:
+    signal: Signal
+    step: int
+    value: float
+    """The metric at ``step``."""
+    baseline: float
+    """What it was compared with: its median over the window of recent steps."""
+    message: str
+
+    def data(self) -> dict[str, object]:
+        """The event data of a ``warning`` event (the dashboard highlights warnings with an ``alert`` key)."""
+        return {"alert": self.signal, "step": self.step, "value": self.value, "baseline": self.baseline}
+
+
+class CollapseMonitor:
+    """Fed each PPO step's metrics in order; returns the collapse alerts of that step.
+
+    Every rule compares the step's value with the median of the previous ``window`` steps (robust to the
+    odd step a healthy run has), and judges only once ``warmup`` steps of history are kept. A threshold of
+    None turns its signal off.
+
+    - ``reward_jump``: ``objective/scores`` more than ``reward_z`` spreads above its median, the spread being
+      the larger of the window's standard deviation and 1.4826 × its median absolute deviation (and at least
+      5 % of the median's size). Scores may be negative or near 0, so a ratio would not do.
+    - ``kl_jump``: ``objective/kl`` at least ``kl_min`` and at least ``kl_factor`` × its median: the policy
+      broke away from the reference (KL is non-negative and grows in a healthy run, so a ratio judges it better
+      than a z-score over a short window).
+    - ``perplexity_collapse``: log ``response/perplexity`` (the mean surprisal of the sampled tokens) below
+      ``perplexity_ratio`` × its median: the policy became near-deterministic.
+    - ``length_blowup``: ``response/length_mean`` at least ``length_factor`` × its median, or every response
+      at ``max_length`` while the median was below it.
+
+    Each step's values join the history after it was judged, so a lasting change alerts for a few steps until
+    it is the new normal.
+    """
+
+    def __init__(
+        self,
+        *,
+        window: int = 20,
+        warmup: int = 5,
+        reward_z: float | None = 6.0,
+        kl_factor: float | None = 3.0,
+        kl_min: float = 1.0,
+        perplexity_ratio: float | None = 0.5,
+        length_factor: float | None = 1.5,
+        max_length: int | None = None,
+    ) -> None:
+        if not 1 <= warmup <= window:
+            raise ValueError(f"warmup ({warmup}) must be between 1 and window ({window})")
+        self.window, self.warmup = window, warmup
+        self.reward_z, self.kl_factor, self.kl_min = reward_z, kl_factor, kl_min
+        self.perplexity_ratio, self.length_factor, self.max_length = perplexity_ratio, length_factor, max_length
+        self.history: dict[str, deque[float]] = {name: deque(maxlen=window) for name in WATCHED}
+
+    def update(self, step: int, metrics: dict[str, float]) -> list[Alert]:
+        """Judge ``step`` against the history, then add its values to it; returns its alerts (often none).
+
+        A missing or non-finite metric is neither judged nor kept.
+        """
+        values = {name: metrics.get(key, math.nan) for name, key in WATCHED.items()}
+        alerts = [alert for alert in self._judge(step, values) if alert is not None]
+        for name, value in values.items():
+            if math.isfinite(value):
+                self.history[name].append(float(value))
+        return alerts
+
+    def _judge(self, step: int, values: dict[str, float]) -> list[Alert | None]:
+        return [
+            self._reward_jump(step, values["reward"]),
+            self._kl_jump(step, values["kl"]),
+            self._perplexity_collapse(step, values["perplexity"]),
+            self._length_blowup(step, values["length"]),
+        ]
+
+    def _baseline(self, name: str, value: float) -> tuple[float, float] | None:
+        """(median, robust spread) of ``name``'s history, or None before the warm-up or for a bad value."""
+        history = self.history[name]
+        if len(history) < self.warmup or not math.isfinite(value):
+            return None
+        center = median(history)
+        mad = median(abs(v - center) for v in history)
+        # the larger of two estimates: either alone, over a short window, is now and then far too small
+        return center, max(MAD_TO_STD * mad, pstdev(history), MIN_SPREAD_FRACTION * abs(center), MIN_SPREAD)
+
+    def _reward_jump(self, step: int, value: float) -> Alert | None:
+        base = self._baseline("reward", value) if self.reward_z is not None else None
+        if base is None or self.reward_z is None:
+            return None
+        center, spread = base
+        z = (value - center) / spread
+        if z <= self.reward_z:
+            return None
+        return Alert(
+            "reward_jump", step, value, center,
+            f"step {step}: reward jumped to {value:.4g} from a recent median of {center:.4g} ({z:.1f} times "
+            f"its recent spread above it); the policy may have found a shortcut in the reward model",
+        )  # fmt: skip
+
+    def _kl_jump(self, step: int, value: float) -> Alert | None:
+        base = self._baseline("kl", value) if self.kl_factor is not None else None
+        if base is None or self.kl_factor is None:
+            return None
+        center = base[0]
+        if value < self.kl_min or value < self.kl_factor * max(center, 0.0):
+            return None
+        return Alert(
+            "kl_jump", step, value, center,
+            f"step {step}: KL to the reference jumped to {value:.4g} from a recent median of {center:.4g}; "
+            f"the policy broke away from the reference, its outputs may have collapsed",
+        )  # fmt: skip
+
+    def _perplexity_collapse(self, step: int, value: float) -> Alert | None:
+        base = self._baseline("perplexity", value) if self.perplexity_ratio is not None else None
+        if base is None or self.perplexity_ratio is None:
+            return None
+        center = base[0]
+        if center <= 1.0 or value <= 0:
+            return None
+        # log perplexity is the mean surprisal per token: 0 for a deterministic policy
+        if math.log(max(value, 1.0)) >= self.perplexity_ratio * math.log(center):
+            return None
+        return Alert(
+            "perplexity_collapse", step, value, center,
+            f"step {step}: perplexity fell to {value:.4g} from a recent median of {center:.4g}; the policy "
+            f"became near-deterministic (mode collapse)",
+        )  # fmt: skip
+
+    def _length_blowup(self, step: int, value: float) -> Alert | None:
+        base = self._baseline("length", value) if self.length_factor is not None else None
+        if base is None or self.length_factor is None:
+            return None
+        center = base[0]
+        threshold = self.length_factor * center
+        pinned = self.max_length is not None and value >= self.max_length > center
+        if not (value >= threshold and value > center) and not pinned:
+            return None
+        why = f"every response hit the maximum length ({self.max_length})" if pinned else "responses blew up"
+        return Alert(
+            "length_blowup", step, value, center,
+            f"step {step}: mean response length rose to {value:.4g} from a recent median of {center:.4g}; {why}",
+        )  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": {name: list(values) for name, values in self.history.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in WATCHED:
+            self.history[name] = deque(state["history"].get(name, []), maxlen=self.window)
