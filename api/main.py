@@ -14,7 +14,8 @@ from api.deps import Enqueue, Generate, reject_unknown_query
 from api.errors import error_responses, install_error_handlers
 from api.queue import celery_enqueue, celery_generate
 from api.recovery import RecoveryThread
-from api.routes import files, generate, health, jobs, stream
+from api.routes import dashboard, files, generate, health, jobs, stream
+from api.routes import openai as openai_routes
 from api.uploads import BodySizeLimit
 from engine.config import JobSpec
 from jobs.celery_app import celery_app, make_celery
@@ -94,10 +95,11 @@ def create_app(
     v1 = APIRouter(
         prefix="/v1", responses=error_responses(401, 404, 413, 422), dependencies=[Depends(reject_unknown_query)]
     )
-    for module in (files, jobs, stream, generate):
+    for module in (files, jobs, stream, generate, openai_routes):
         v1.include_router(module.router)
     app.include_router(v1)
     app.include_router(health.router)
+    app.include_router(dashboard.router)  # `/` and `/static/…`: the web dashboard, outside the schema
     app.openapi = _openapi_with_job_spec(app)  # type: ignore[method-assign]
     return app
 

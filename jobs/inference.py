@@ -5,6 +5,7 @@ checkpoint do not reload it.
 
 import logging
 import threading
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from engine import generate as engine_generate
 from engine.data import encode_prompts, pad_right
 from engine.models import (
     ModelNotFoundError,
+    check_fits,
     context_length,
     load_causal_lm,
     load_scalar_model,
@@ -27,6 +29,7 @@ from engine.models import (
     prepare,
     resolve_model_ref,
 )
+from engine.ops import truncate_after_stop
 from engine.rollout import sequence_scores
 from jobs.store import crud, refs
 from jobs.store.db import session_scope
@@ -40,6 +43,15 @@ V = TypeVar("V")
 class GenerateError(ValueError):
     """A generate request that cannot be served: unknown job or checkpoint, a job type that does not
     generate, or scores asked of a job without a reward model."""
+
+
+class ChatTemplateMissing(GenerateError):
+    """Chat messages sent to a checkpoint whose tokenizer has no chat template. The API recognises it by its
+    class name (Celery re-creates a remote exception under the same name) and answers 400."""
+
+
+MAX_PROMPT_LENGTH = 512
+"""Prompt tokens kept (the last ones) when the model's context allows more."""
 
 
 class LRUCache(Generic[K, V]):
@@ -128,52 +140,188 @@ def generate(
     seed: int = 0,
     score: bool = False,
     *,
+    n: int = 1,
+    stop: list[str] | None = None,
+    messages: list[dict[str, str]] | None = None,
     settings: Settings,
 ) -> dict[str, Any]:
-    """Complete each prompt once from checkpoint ``step`` (None or ``"latest"``: the newest) of an sft or
-    ppo job. Same arguments, same texts (seeded sampling).
+    """Complete each prompt ``n`` times from checkpoint ``step`` (None or ``"latest"``: the newest) of an sft or
+    ppo job. Same arguments, same texts (seeded sampling; the ``n`` samples of a prompt are distinct draws).
 
-    Returns ``{"checkpoint": step, "completions": [{"prompt", "text", "finish_reason"[, "score"]}]}``;
-    scores come from a ppo job's reward model. Any request that cannot be served raises GenerateError.
+    ``stop``: up to 4 strings; a text is cut before the first one it contains (finish reason ``stop``).
+    ``messages``: one chat conversation (``[{"role", "content"}]``) formatted by the checkpoint's chat template
+    (with the generation prompt) and completed in place of ``prompts`` (which must then be empty); a tokenizer
+    without a template raises ChatTemplateMissing.
+
+    Returns ``{"checkpoint": step, "completions": [{"prompt", "text", "finish_reason"[, "score"]}], "usage":
+    {"prompt_tokens", "completion_tokens"}}``: completions prompt by prompt, ``n`` each; ``usage`` counts each
+    prompt's tokens once (as sampled from: truncated to fit the context) and every sampled token up to the end
+    of its text (EOS, or the token completing a stop string). Scores come from a ppo job's reward model. Any
+    request that cannot be served raises GenerateError.
     """
     if step == "latest":
         step = None
     if step is not None and not isinstance(step, int):
         raise GenerateError(f"checkpoint must be a step number or 'latest', not {step!r}")
-    if not prompts or not all(isinstance(p, str) for p in prompts):
+    if messages is not None:
+        if prompts or not _is_conversation(messages):
+            raise GenerateError("messages must be a non-empty list of {role, content} strings, with no prompts")
+    elif not prompts or not all(isinstance(p, str) for p in prompts):
         raise GenerateError("prompts must be a non-empty list of strings")
+    if not isinstance(n, int) or n < 1:
+        raise GenerateError(f"n must be a positive integer, not {n!r}")
+    stop = list(stop or [])
+    if not all(isinstance(s, str) and s for s in stop):
+        raise GenerateError("stop must be a list of non-empty strings")
     with session_scope(settings.resolved_database_url) as session:
         request = _lookup(session, job_id, step, score, settings)
     policies.resize(settings.inference_cache_size)
     reward_models.resize(settings.inference_cache_size)
     try:
-        return _generate(request, prompts, max_new_tokens, temperature, top_p, seed)
+        return _generate(request, prompts, max_new_tokens, temperature, top_p, seed, n, stop, messages)
     except GenerateError:
         raise
     except ValueError as e:  # a model that cannot be loaded; more tokens than the model's context
         raise GenerateError(str(e)) from e
 
 
+def _is_conversation(messages: Any) -> bool:
+    return (
+        isinstance(messages, list)
+        and len(messages) > 0
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
+
+
 def _generate(
-    request: _Request, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int
+    request: _Request,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    n: int = 1,
+    stop: list[str] | None = None,
+    messages: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     device = pick_device()
     policy = policies.get((request.job_id, request.step), lambda: _load_policy(request, device))
-    completions = engine_generate.generate(
-        policy.model, policy.tokenizer, prompts, max_new_tokens, temperature, top_p=top_p, seed=seed
+    if messages is not None:
+        prompts = [chat_prompt(policy.tokenizer, messages, request.job_id, request.step)]
+    out, usage = complete(
+        policy.model, policy.tokenizer, prompts, max_new_tokens, temperature, top_p, seed, n, stop or []
     )
-    out: list[dict[str, Any]] = [
-        {"prompt": c.prompt, "text": c.text, "finish_reason": c.finish_reason} for c in completions
-    ]
     if request.reward_model is not None:
         ref = request.reward_model
         reward_model = reward_models.get(
             (ref, request.seed), lambda: _load_reward_model(ref, policy.tokenizer, request, device)
         )
-        texts = [c.text for c in completions]
-        for row, value in zip(out, score_texts(reward_model, policy.tokenizer, prompts, texts), strict=True):
+        texts = [row["text"] for row in out]
+        rows_prompts = [row["prompt"] for row in out]
+        for row, value in zip(out, score_texts(reward_model, policy.tokenizer, rows_prompts, texts), strict=True):
             row["score"] = value
-    return {"checkpoint": request.step, "completions": out}
+    return {"checkpoint": request.step, "completions": out, "usage": usage}
+
+
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], job_id: str, step: int) -> str:
+    """The conversation as the tokenizer's chat template writes it, ending with the assistant's turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateMissing(
+            f"model job:{job_id}@{step} has no chat template (its tokenizer defines none), so it cannot take chat "
+            "messages; send a plain prompt to /v1/completions instead"
+        )
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # a template that raises (e.g. on a role it does not know)
+        raise GenerateError(f"the chat template of job:{job_id}@{step} failed on these messages: {e}") from e
+    if not isinstance(text, str):
+        raise GenerateError(f"the chat template of job:{job_id}@{step} did not produce text")
+    return text
+
+
+def complete(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    n: int = 1,
+    stop: list[str] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """``n`` seeded samples per prompt (one batch, each prompt repeated ``n`` times: with ``n`` = 1 the batch,
+    and so the texts, are those of ``engine.generate.generate``), cut at stop strings, with token counts.
+
+    Prompts longer than the model's context allows (after room for ``max_new_tokens``) keep their end.
+    """
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    check_fits(model, max_new_tokens + 1, "max_new_tokens + a one-token prompt")
+    max_prompt_length = MAX_PROMPT_LENGTH
+    limit = context_length(model)
+    if limit is not None:
+        max_prompt_length = min(max_prompt_length, limit - max_new_tokens)
+    device = next(model.parameters()).device
+    model.eval()
+    batch = [prompt for prompt in prompts for _ in range(n)]
+    input_ids, attention_mask = encode_prompts(tokenizer, batch, max_prompt_length)  # (B, P)
+    generator = torch.Generator(device).manual_seed(seed)
+    raw, _ = engine_generate.sample(
+        model,
+        input_ids.to(device),
+        attention_mask.to(device),
+        max_new_tokens,
+        temperature,
+        top_p=top_p,
+        eos_token_id=tokenizer.eos_token_id,
+        generator=generator,
+    )
+    responses, mask, stopped = truncate_after_stop(raw, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+    lengths = mask.sum(dim=1).tolist()  # (B,) tokens up to and including EOS
+    rows: list[dict[str, Any]] = []
+    completion_tokens = 0
+    for i, (prompt, text, done) in enumerate(zip(batch, texts, stopped.tolist(), strict=True)):
+        finish_reason = "stop" if done else "length"
+        length = int(lengths[i])
+        cut = _first_stop(text, stop or [])
+        if cut is not None:
+            text, finish_reason = text[:cut], "stop"
+            length = _tokens_to_stop(tokenizer, responses[i, :length].tolist(), stop or [])
+        completion_tokens += length
+        rows.append({"prompt": prompt, "text": text, "finish_reason": finish_reason})
+    prompt_tokens = int(attention_mask[::n].sum())
+    return rows, {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+
+
+def _first_stop(text: str, stop: list[str]) -> int | None:
+    """Where the first stop string found in ``text`` begins, or None."""
+    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(found) if found else None
+
+
+class _Prefixes:
+    """Whether the text of the first ``k`` tokens contains a stop string, as a sequence over k (monotone)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, ids: list[int], stop: list[str]) -> None:
+        self.tokenizer, self.ids, self.stop = tokenizer, ids, stop
+
+    def __len__(self) -> int:
+        return len(self.ids) + 1
+
+    def __getitem__(self, k: int) -> bool:
+        text = str(self.tokenizer.decode(self.ids[:k], skip_special_tokens=True))
+        return _first_stop(text, self.stop) is not None
+
+
+def _tokens_to_stop(tokenizer: PreTrainedTokenizerBase, ids: list[int], stop: list[str]) -> int:
+    """The fewest leading tokens whose text contains a stop string (binary search: a few decodes)."""
+    k = bisect_left(_Prefixes(tokenizer, ids, stop), True)
+    return min(k, len(ids))
 
 
 def _lookup(session: Session, job_id: str, step: int | None, score: bool, settings: Settings) -> _Request:

@@ -20,6 +20,9 @@ DESIGN_ROUTES = {
     ("get", "/v1/jobs/{job_id}/metrics"), ("get", "/v1/jobs/{job_id}/events"), ("get", "/v1/jobs/{job_id}/stream"),
     ("get", "/v1/jobs/{job_id}/checkpoints"), ("post", "/v1/jobs/{job_id}/generate"),
     ("get", "/healthz"), ("get", "/readyz"),
+    # OpenAI-compatible (issue 7).
+    ("get", "/v1/models"), ("get", "/v1/models/{model_id}"), ("post", "/v1/completions"),
+    ("post", "/v1/chat/completions"),
 }  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from jobs.store import crud
 from jobs.store.models import ApiKey
 from jobs.store.settings import Settings
 from tests.api.conftest import PPO_SPEC, SFT_SPEC, Calls, Db, Project, error_of, jsonl, make_settings
-from tests.security.routes import DOCS, PUBLIC, concrete, every_route
+from tests.security.routes import DOCS, PUBLIC, concrete, dashboard_routes, every_route
 
 
 def test_the_route_table_is_what_this_file_expects(app: FastAPI) -> None:
@@ -51,6 +51,18 @@ def test_every_route_but_health_and_docs_needs_a_valid_key(app: FastAPI, authori
             assert error_of(response)["code"] == "invalid_api_key"
             assert response.headers["www-authenticate"] == "Bearer"
         assert protected == len(every_route(app)) - len(PUBLIC | DOCS)
+
+
+def test_only_the_dashboards_static_page_and_assets_answer_without_a_key(app: FastAPI) -> None:
+    with TestClient(app) as anonymous:
+        for method, path in dashboard_routes(app):
+            response = anonymous.request(method, path)
+            assert response.status_code == 200, (method, path)
+            assert response.headers["x-content-type-options"] == "nosniff"
+            assert "default-src 'self'" in response.headers["content-security-policy"]
+        for path in ("/static/../main.py", "/static/%2e%2e%2fmain.py", "/static/index.html", "/static/nope.js"):
+            assert anonymous.get(path).status_code == 404, path
+    assert not {path for _, path in every_route(app)} & {"/", "/static/{name}"}  # outside the OpenAPI document
 
 
 def test_openapi_declares_bearer_auth_on_every_operation_but_health(client: TestClient) -> None:

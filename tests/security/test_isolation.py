@@ -79,6 +79,25 @@ def test_another_projects_objects_are_invisible_on_every_route(
                 missing("POST", f"/v1/jobs/{job_id}/generate", "/v1/jobs/{job_id}/generate", json=body)
         missing("GET", f"/v1/files/{file.id}", "/v1/files/{file_id}")
 
+        # The OpenAI-compatible routes: A's models are unknown, answered as for models that exist nowhere.
+        assert client.get("/v1/models").json() == {"object": "list", "data": []}
+        chat = [{"role": "user", "content": "hi"}]
+        for job_id, suffix in ((succeeded, ""), (succeeded, "@2"), (running, "@1"), (paused, "")):
+            for model in (f"job:{job_id}{suffix}", f"job:job_000000000000{suffix}"):
+                for response in (
+                    client.get(f"/v1/models/{model}"),
+                    client.post("/v1/completions", json={"model": model, "prompt": "hi"}),
+                    client.post("/v1/chat/completions", json={"model": model, "messages": chat}),
+                ):
+                    assert response.status_code == 404, response.text
+                    assert error_of(response) == {
+                        "code": "model_not_found",
+                        "message": f"the model {model!r} does not exist in this project; GET /v1/models lists them",
+                        "param": "model",
+                    }
+        walked |= {("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("POST", "/v1/completions"),
+                   ("POST", "/v1/chat/completions")}  # fmt: skip
+
         # Lists: B sees none of A's objects, whatever the filters, and cannot page from A's ids.
         for params in ({}, {"status": "running"}, {"type": "ppo"}, {"after": running}, {"limit": 100}):
             response = client.get("/v1/jobs", params=params)
