@@ -195,8 +195,10 @@ class PPOConfig(TrainConfig):
     collapse_kl_factor: Annotated[float, Field(gt=1, le=1e6)] | None = 3.0
     """``kl_jump``: ``objective/kl`` at least this many times its median, and at least ``collapse_kl_min``
     (None: off)."""
-    collapse_kl_min: Annotated[float, Field(ge=0, le=1e6)] = 1.0
-    """The smallest ``objective/kl`` (nats per sequence) a ``kl_jump`` is raised for."""
+    collapse_kl_min: Annotated[float, Field(ge=0, le=1e6)] = 5.0
+    """The smallest ``objective/kl`` (nats per sequence) a ``kl_jump`` is raised for: early in a healthy run KL
+    grows from 0 by many times its median (the built-in demo ends near 2 nats), while the collapses seen in
+    the prototype reached 21 and past 100."""
     collapse_perplexity_ratio: Annotated[float, Field(gt=0, lt=1)] | None = 0.5
     """``perplexity_collapse``: log ``response/perplexity`` below this fraction of its median's (0.5: a median
     perplexity of 4 fell below 2), the policy became near-deterministic (None: off)."""

@@ -142,8 +142,15 @@ def test_dashboard_drives_a_ppo_job(browser: Any, server: tuple[Client, str, Pat
     ppo_id = page.url.rsplit("/", 1)[-1]
     assert c.get_job(ppo_id)["spec"]["reward_model"] == f"job:{rm['id']}"
 
-    # The job page: the charts gain points as steps arrive on the stream.
-    page.wait_for_selector('#job-status[data-status="running"]')
+    # The job page: the charts gain points as steps arrive on the stream. (The server's view first, so that a
+    # failure tells a job that never ran from a page that did not follow it.)
+    job = wait_for(c, ppo_id, lambda j: j["status"] != "queued" and j["step"] >= 1, timeout=120)
+    assert job["status"] == "running", (job, c.request("GET", f"/v1/jobs/{ppo_id}/events").get("data"))
+    try:
+        page.wait_for_selector('#job-status[data-status="running"]')
+    except Exception as e:
+        shown = page.get_attribute("#job-status", "data-status"), page.inner_text("#live")
+        raise AssertionError(f"the page shows {shown} for a running job; page errors: {problems}") from e
     page.wait_for_function(POINTS_AT_LEAST, arg=["objective/kl", 2])
     before = points(page, "objective/scores")
     page.wait_for_function(POINTS_AT_LEAST, arg=["objective/scores", before + 1])
