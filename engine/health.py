@@ -85,7 +85,7 @@ class CollapseMonitor:
         warmup: int = 5,
         reward_z: float | None = 6.0,
         kl_factor: float | None = 3.0,
-        kl_min: float = 1.0,
+        kl_min: float = 5.0,
         perplexity_ratio: float | None = 0.5,
         length_factor: float | None = 1.5,
         max_length: int | None = None,
