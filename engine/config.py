@@ -263,13 +263,14 @@ TRAIN_QUEUE = "train"
 """The train workers' queue when a spec names none."""
 INFERENCE_QUEUE = "inference"
 """The generate requests' queue: no training job may be routed there."""
-_QUEUE_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+QUEUE_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+"""A train queue's name (a spec's ``resources.queue``, ``rlhf worker --queues``)."""
 
 
 class Resources(_Strict):
     """Where a job runs, and in how many processes."""
 
-    queue: Annotated[str, Field(pattern=_QUEUE_NAME)] = TRAIN_QUEUE
+    queue: Annotated[str, Field(pattern=QUEUE_NAME)] = TRAIN_QUEUE
     """Queue of the train workers that may run the job: ``rlhf worker --queues <queue>`` serves it, so workers
     with different GPUs can take different jobs. 1 to 64 of ``a-z``, ``0-9``, ``_``, ``.``, ``-``."""
     num_processes: Annotated[int, Field(ge=1, le=64)] = 1

@@ -1,6 +1,6 @@
 """Sampling with a KV cache, for PPO rollouts and for generating from any checkpoint."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -84,6 +84,10 @@ class Completion:
     text: str
     finish_reason: str
     """``stop`` when the model produced EOS, ``length`` when it ran out of tokens."""
+    tokens: list[int] = field(default_factory=list)
+    """The response's token ids, up to and including EOS."""
+    prompt_tokens: int = 0
+    """Tokens of the prompt the model was given (after truncation)."""
 
 
 def generate(
@@ -95,8 +99,10 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     max_prompt_length: int = 512,
+    n: int = 1,
 ) -> list[Completion]:
-    """Complete each prompt once; seeded, so the same call returns the same texts.
+    """Complete each prompt ``n`` times (one batch, each prompt repeated ``n`` times in a row); seeded, so the
+    same call returns the same texts.
 
     Prompts longer than the model's context allows (after room for ``max_new_tokens``) keep their end.
     """
@@ -108,7 +114,8 @@ def generate(
         max_prompt_length = min(max_prompt_length, limit - max_new_tokens)
     device = next(model.parameters()).device
     model.eval()
-    input_ids, attention_mask = encode_prompts(tokenizer, prompts, max_prompt_length)
+    batch = [prompt for prompt in prompts for _ in range(n)]
+    input_ids, attention_mask = encode_prompts(tokenizer, batch, max_prompt_length)  # (B, P)
     generator = torch.Generator(device).manual_seed(seed)
     raw, _ = sample(
         model,
@@ -122,7 +129,8 @@ def generate(
     )
     responses, mask, stopped = truncate_after_stop(raw, tokenizer.eos_token_id, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+    lengths, prompt_lengths = mask.sum(1).tolist(), attention_mask.sum(1).tolist()
     return [
-        Completion(prompt, text, "stop" if done else "length")
-        for prompt, text, done in zip(prompts, texts, stopped.tolist(), strict=True)
+        Completion(prompt, text, "stop" if done else "length", responses[i, : lengths[i]].tolist(), prompt_lengths[i])
+        for i, (prompt, text, done) in enumerate(zip(batch, texts, stopped.tolist(), strict=True))
     ]

@@ -20,7 +20,6 @@ from engine import generate as engine_generate
 from engine.data import encode_prompts, pad_right
 from engine.models import (
     ModelNotFoundError,
-    check_fits,
     context_length,
     load_causal_lm,
     load_scalar_model,
@@ -29,7 +28,6 @@ from engine.models import (
     prepare,
     resolve_model_ref,
 )
-from engine.ops import truncate_after_stop
 from engine.rollout import sequence_scores
 from jobs.store import crud, refs
 from jobs.store.db import session_scope
@@ -253,48 +251,21 @@ def complete(
     n: int = 1,
     stop: list[str] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """``n`` seeded samples per prompt (one batch, each prompt repeated ``n`` times: with ``n`` = 1 the batch,
-    and so the texts, are those of ``engine.generate.generate``), cut at stop strings, with token counts.
-
-    Prompts longer than the model's context allows (after room for ``max_new_tokens``) keep their end.
-    """
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be at least 1")
-    check_fits(model, max_new_tokens + 1, "max_new_tokens + a one-token prompt")
-    max_prompt_length = MAX_PROMPT_LENGTH
-    limit = context_length(model)
-    if limit is not None:
-        max_prompt_length = min(max_prompt_length, limit - max_new_tokens)
-    device = next(model.parameters()).device
-    model.eval()
-    batch = [prompt for prompt in prompts for _ in range(n)]
-    input_ids, attention_mask = encode_prompts(tokenizer, batch, max_prompt_length)  # (B, P)
-    generator = torch.Generator(device).manual_seed(seed)
-    raw, _ = engine_generate.sample(
-        model,
-        input_ids.to(device),
-        attention_mask.to(device),
-        max_new_tokens,
-        temperature,
-        top_p=top_p,
-        eos_token_id=tokenizer.eos_token_id,
-        generator=generator,
+    """``n`` seeded samples per prompt (:func:`engine.generate.generate`), cut at stop strings, with token counts."""
+    completions = engine_generate.generate(
+        model, tokenizer, prompts, max_new_tokens, temperature, top_p, seed, MAX_PROMPT_LENGTH, n
     )
-    responses, mask, stopped = truncate_after_stop(raw, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
-    lengths = mask.sum(dim=1).tolist()  # (B,) tokens up to and including EOS
     rows: list[dict[str, Any]] = []
     completion_tokens = 0
-    for i, (prompt, text, done) in enumerate(zip(batch, texts, stopped.tolist(), strict=True)):
-        finish_reason = "stop" if done else "length"
-        length = int(lengths[i])
+    for c in completions:
+        text, finish_reason, length = c.text, c.finish_reason, len(c.tokens)
         cut = _first_stop(text, stop or [])
         if cut is not None:
             text, finish_reason = text[:cut], "stop"
-            length = _tokens_to_stop(tokenizer, responses[i, :length].tolist(), stop or [])
+            length = _tokens_to_stop(tokenizer, c.tokens, stop or [])
         completion_tokens += length
-        rows.append({"prompt": prompt, "text": text, "finish_reason": finish_reason})
-    prompt_tokens = int(attention_mask[::n].sum())
+        rows.append({"prompt": c.prompt, "text": text, "finish_reason": finish_reason})
+    prompt_tokens = sum(c.prompt_tokens for c in completions[::n])
     return rows, {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
 
 

@@ -16,18 +16,16 @@ import time
 from sqlalchemy.exc import IntegrityError, OperationalError
 from transformers.utils import logging as hf_logging
 
+from engine.config import QUEUE_NAME
 from jobs import tasks
 from jobs.celery_app import INFERENCE_QUEUE, TRAIN_QUEUE, celery_app
 from jobs.store.settings import Settings, get_settings
-
-QUEUE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
-"""As a job spec's ``resources.queue``."""
 
 
 def worker_argv(queues: list[str], concurrency: int = 1, loglevel: str = "INFO") -> list[str]:
     """The ``celery worker`` arguments for ``queues``: ``inference`` serves generate requests, any other name is
     a train queue (``train`` by default; a job picks one with ``resources.queue``), one job at a time."""
-    bad = [q for q in queues if not QUEUE_NAME.match(q)]
+    bad = [q for q in queues if not re.match(QUEUE_NAME, q)]
     if not queues or bad:
         raise ValueError(
             f"queues are names of a-z, 0-9, '_', '.', '-' ({TRAIN_QUEUE}, {INFERENCE_QUEUE}, or a train queue of your "
