@@ -128,8 +128,7 @@ class CollapseMonitor:
         return center, max(MAD_TO_STD * mad, pstdev(history), MIN_SPREAD_FRACTION * abs(center), MIN_SPREAD)
 
     def _reward_jump(self, step: int, value: float) -> Alert | None:
-        base = self._baseline("reward", value) if self.reward_z is not None else None
-        if base is None or self.reward_z is None:
+        if self.reward_z is None or (base := self._baseline("reward", value)) is None:
             return None
         center, spread = base
         z = (value - center) / spread
@@ -142,8 +141,7 @@ class CollapseMonitor:
         )  # fmt: skip
 
     def _kl_jump(self, step: int, value: float) -> Alert | None:
-        base = self._baseline("kl", value) if self.kl_factor is not None else None
-        if base is None or self.kl_factor is None:
+        if self.kl_factor is None or (base := self._baseline("kl", value)) is None:
             return None
         center = base[0]
         if value < self.kl_min or value < self.kl_factor * max(center, 0.0):
@@ -155,8 +153,7 @@ class CollapseMonitor:
         )  # fmt: skip
 
     def _perplexity_collapse(self, step: int, value: float) -> Alert | None:
-        base = self._baseline("perplexity", value) if self.perplexity_ratio is not None else None
-        if base is None or self.perplexity_ratio is None:
+        if self.perplexity_ratio is None or (base := self._baseline("perplexity", value)) is None:
             return None
         center = base[0]
         if center <= 1.0 or value <= 0:
@@ -171,8 +168,7 @@ class CollapseMonitor:
         )  # fmt: skip
 
     def _length_blowup(self, step: int, value: float) -> Alert | None:
-        base = self._baseline("length", value) if self.length_factor is not None else None
-        if base is None or self.length_factor is None:
+        if self.length_factor is None or (base := self._baseline("length", value)) is None:
             return None
         center = base[0]
         threshold = self.length_factor * center
