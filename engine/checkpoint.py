@@ -9,6 +9,9 @@ A crash (a killed worker, a lost machine) never leaves a half-written or half-de
   ``.trash-step-N-*`` first, then removing that;
 - hidden folders a crash left behind are removed by the next :func:`save_checkpoint` (or
   :func:`remove_stale_temporaries`), and :func:`list_checkpoints` never lists them.
+
+A job folder also holds ``spec.json`` (the spec of the run, written when it starts afresh) and, once it
+succeeds, ``job.json``; :func:`check_same_spec` refuses to continue a run under another spec.
 """
 
 import contextlib
@@ -23,13 +26,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from engine.config import JobSpec
 from engine.models import save_model
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.pt"
 JOB_FILE = "job.json"
+SPEC_FILE = "spec.json"
+UNTRAINED_FIELDS = (("name",), ("metadata",), ("resources", "queue"))
+"""Spec fields that do not change what is trained: a run may resume under other values of them."""
 TEMP_PREFIX = ".step-"
 """A checkpoint being written: ``.step-N-<random>``."""
 TRASH_PREFIX = ".trash-"
@@ -161,7 +169,85 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def write_job_file(out_dir: Path, record: dict[str, Any]) -> None:
     """``<out>/job.json``: status and final step, so the folder can be named as a model later."""
+    _write_json(out_dir, JOB_FILE, record)
+
+
+def write_spec_file(out_dir: Path, spec: JobSpec) -> None:
+    """``<out>/spec.json``: the spec a run started with, for :func:`check_same_spec` to compare."""
+    _write_json(out_dir, SPEC_FILE, spec.model_dump(mode="json"))
+
+
+def _write_json(out_dir: Path, name: str, record: dict[str, Any]) -> None:
+    """Write ``<out>/<name>`` atomically: a temporary file renamed over it."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / f".{JOB_FILE}.tmp"
+    tmp = out_dir / f".{name}.tmp"
     tmp.write_text(json.dumps(record, indent=2))
-    os.replace(tmp, out_dir / JOB_FILE)
+    os.replace(tmp, out_dir / name)
+
+
+class SpecMismatchError(ValueError):
+    """A job folder holds a run of another spec; continuing it would train something that neither spec
+    describes (another model's weights, a schedule recomputed midway)."""
+
+    def __init__(self, out_dir: Path, differences: list[str]) -> None:
+        self.differences = differences
+        super().__init__(
+            f"{out_dir} holds a run of a different spec: {', '.join(differences)}; "
+            "use another --out folder, or --restart to delete its checkpoints and start over"
+        )
+
+
+def stored_spec(out_dir: Path) -> dict[str, Any] | None:
+    """The spec of the run in ``out_dir`` (``spec.json``, else the ``spec`` of ``job.json``), in JSON form with
+    the defaults of this version filled in; None when the folder has neither (a folder of an older version)."""
+    for name, key in ((SPEC_FILE, None), (JOB_FILE, "spec")):
+        path = out_dir / name
+        if path.is_file():
+            record = json.loads(path.read_text())
+            data = record.get(key) if key else record
+            if isinstance(data, dict):
+                try:  # a field added since has its default, not a difference
+                    return JobSpec.model_validate(data).model_dump(mode="json")
+                except ValidationError:  # a field since removed or narrowed: compare as written
+                    return data
+    return None
+
+
+def spec_differences(old: Any, new: Any, path: tuple[str, ...] = ()) -> list[str]:
+    """``dotted.path old → new`` for each field that differs, in the spec's order; objects compared key by key
+    (lists whole), fields of :data:`UNTRAINED_FIELDS` left out."""
+    if path in UNTRAINED_FIELDS:
+        return []
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = [*old, *(key for key in new if key not in old)]
+        return [difference for key in keys for difference in spec_differences(old.get(key), new.get(key), (*path, key))]
+    return [] if old == new else [f"{'.'.join(path)} {old!r} → {new!r}"]
+
+
+def check_same_spec(out_dir: Path, spec: JobSpec) -> None:
+    """Raise :class:`SpecMismatchError` when ``out_dir`` holds a run (checkpoints or a ``job.json``) whose
+    stored spec differs from ``spec`` in a field that changes what is trained. A folder with nothing to resume,
+    or without a stored spec (written by an older version), passes."""
+    if latest_checkpoint(out_dir) is None and not (out_dir / JOB_FILE).is_file():
+        return
+    old = stored_spec(out_dir)
+    if old is None:
+        return
+    differences = spec_differences(old, spec.model_dump(mode="json"))
+    if differences:
+        raise SpecMismatchError(out_dir, differences)
+
+
+def delete_run(out_dir: Path) -> int:
+    """Delete the run in ``out_dir`` so that the next one starts afresh: its checkpoints, ``job.json`` and
+    ``spec.json``, nothing else of the folder. Returns how many checkpoints were deleted.
+
+    Checkpoints go first, newest last, so a crash midway leaves a folder that still names its spec.
+    """
+    found = list_checkpoints(out_dir)
+    for _, path in found:
+        delete_checkpoint(path)
+    shutil.rmtree(checkpoints_dir(out_dir), ignore_errors=True)  # and what a crash left there
+    for name in (JOB_FILE, SPEC_FILE):
+        (out_dir / name).unlink(missing_ok=True)
+    return len(found)

@@ -1,7 +1,8 @@
 """The ``rlhf`` command line: run jobs locally, without any server.
 
 rlhf demo [--out runs/demo]                 the built-in SFT → RM → PPO pipeline, with a before/after table
-rlhf train SPEC.(yaml|json) --out DIR       one job; DIR gets checkpoints/step-N/ and job.json
+rlhf train SPEC.(yaml|json) --out DIR       one job; DIR gets checkpoints/step-N/, spec.json and job.json
+           [--restart]                      start over in a DIR holding a run of another spec
 rlhf generate --model DIR --prompt TEXT     sample from a job folder, a checkpoint or any causal LM
 """
 
@@ -70,9 +71,22 @@ def parse_spec(data: dict[str, Any], source: str) -> JobSpec:
         raise SystemExit(f"{source}: invalid job spec\n{format_errors(e)}") from None
 
 
-def train(spec: JobSpec, out: Path, label: str | None = None) -> None:
+def train(spec: JobSpec, out: Path, label: str | None = None, *, restart: bool = False) -> None:
+    """Train ``spec`` in the job folder ``out``, resuming the run there only when it is of the same spec.
+
+    A folder holding a run of another spec raises :class:`~engine.checkpoint.SpecMismatchError` before anything
+    loads; ``restart`` deletes that run first. The check lives here, not in ``run_job``: a local ``--out`` may
+    name any folder, while on the server every job has a folder of its own, keyed by its id, and its resolved
+    references (absolute paths) must not stop it resuming after the artifacts folder has moved.
+    """
+    from engine.checkpoint import check_same_spec, delete_run
     from engine.run import run_job  # torch is imported only for commands that need it
 
+    if restart:
+        deleted = delete_run(out)
+        print(f"{label or spec.name or spec.type}: restarting; deleted {deleted} checkpoint(s) of {out}")
+    else:
+        check_same_spec(out, spec)
     bar = ProgressBar(spec.type, label or spec.name or spec.type)
     started = time.perf_counter()
     try:
@@ -91,7 +105,7 @@ def positive_int(text: str) -> int:
 
 def cmd_train(args: argparse.Namespace) -> None:
     quiet_transformers()
-    train(parse_spec(read_spec(args.spec), str(args.spec)), args.out)
+    train(parse_spec(read_spec(args.spec), str(args.spec)), args.out, restart=args.restart)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -137,7 +151,14 @@ def add_demo_command(sub: argparse._SubParsersAction, name: str = "demo") -> arg
 def add_train_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run one job spec locally, without a server")
     p.add_argument("spec", type=Path, help="job spec, .json or .yaml (the body of POST /v1/jobs)")
-    p.add_argument("--out", type=Path, required=True, help="job folder: checkpoints and job.json; resumes if present")
+    p.add_argument(
+        "--out", type=Path, required=True, help="job folder: checkpoints and job.json; resumes a run of the same spec"
+    )
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="delete the folder's checkpoints, job.json and spec.json first, and start over",
+    )
     p.set_defaults(func=cmd_train)
     return p
 

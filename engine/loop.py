@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
-from engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_job_file
+from engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_job_file, write_spec_file
 from engine.config import JobSpec, TrainConfig
 from engine.distributed import Ranks
 from engine.models import apply_lora
@@ -123,7 +123,8 @@ class Run:
     def start(
         self, total_steps: int, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
     ) -> tuple[int, dict[str, Any] | None]:
-        """Announce the job; when resuming, restore optimizer, schedule and RNG states.
+        """Announce the job; when resuming, restore optimizer, schedule and RNG states; when starting afresh,
+        record the spec in ``spec.json`` (what a later resume into this folder is checked against).
 
         Returns (start step, the checkpoint's trainer state for the loop's own parts, or None).
         """
@@ -131,6 +132,8 @@ class Run:
         self.optimizer, self.scheduler = optimizer, scheduler
         state = load_trainer_state(self.resume_from) if self.resume_from else None
         start_step = state["step"] if state else 0
+        if state is None and self.ranks.is_main:
+            write_spec_file(self.out_dir, self.spec)
         if state:
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])

@@ -22,5 +22,7 @@ def run_job(
 
     Model and dataset references must already be resolved to what the engine loads: builtin names,
     hub ids, local paths or job folders. ``job:<id>`` and ``file-<id>`` are resolved by the service.
+    Whether a run already in ``out_dir`` is of the same spec is checked by the local command line
+    (``engine.cli.train``), not here: on the server every job has a folder of its own.
     """
     return TRAINERS[spec.type](spec, Path(out_dir), callbacks or Callbacks(), device or pick_device())

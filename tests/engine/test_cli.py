@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.checkpoint import JOB_FILE
+from engine import cli
+from engine.checkpoint import JOB_FILE, SPEC_FILE, check_same_spec, list_checkpoints
+from engine.config import JobSpec
+from tests.engine.conftest import Recorder, make_spec, train
 
 
 def rlhf(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -99,3 +102,86 @@ def test_generate_from_an_unfinished_job_fails(tmp_path):
     assert proc.returncode != 0
     assert "not finished" in proc.stderr
     assert "Traceback" not in proc.stderr  # one clear line, not a stack trace
+
+
+# Resuming into an output folder: only a run of the same spec (issue 12, item 4).
+TWO_STEPS = {"max_steps": 2, "batch_size": 4}
+
+
+def write_spec(path: Path, spec: JobSpec) -> Path:
+    path.write_text(json.dumps(spec.model_dump(mode="json")))
+    return path
+
+
+def snapshot(folder: Path) -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
+
+
+def test_train_refuses_a_folder_holding_another_spec(tmp_path):
+    out = tmp_path / "job"
+    first, _ = train(make_spec("sft", hyperparameters=TWO_STEPS), out)
+    assert first.status == "succeeded"
+    before, job_before = snapshot(out / "checkpoints"), (out / JOB_FILE).read_text()
+
+    other = make_spec("sft", model=tmp_path / "other-model", hyperparameters={**TWO_STEPS, "max_steps": 3})
+    proc = rlhf("train", write_spec(tmp_path / "other.json", other), "--out", out, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert proc.stderr.startswith(f"error: {out} holds a run of a different spec: "), proc.stderr
+    assert f"model 'builtin:tiny' → '{tmp_path / 'other-model'}'" in proc.stderr
+    assert "hyperparameters.max_steps 2 → 3" in proc.stderr
+    assert "--restart" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert snapshot(out / "checkpoints") == before, "nothing may be trained, written or deleted"
+    assert (out / JOB_FILE).read_text() == job_before
+
+
+def test_train_resumes_a_paused_run_of_the_same_spec(tmp_path, capsys):
+    out = tmp_path / "job"
+    spec = make_spec("sft", hyperparameters=TWO_STEPS)
+    paused, _ = train(spec, out, Recorder(stop_after=1))
+    assert paused.status == "paused"
+    assert json.loads((out / SPEC_FILE).read_text()) == spec.model_dump(mode="json")
+
+    cli.train(spec, out)
+    shown = capsys.readouterr().out
+    assert "info: resumed from step 1" in shown
+    assert "succeeded at step 2" in shown
+    assert [step for step, _ in list_checkpoints(out)] == [1, 2]
+
+
+def test_train_restart_starts_over_with_the_new_spec(tmp_path):
+    out = tmp_path / "job"
+    train(make_spec("sft", hyperparameters={**TWO_STEPS, "max_steps": 3}), out)
+    (out / "notes.txt").write_text("mine")
+    spec = make_spec("sft", hyperparameters=TWO_STEPS, seed=1)
+
+    proc = rlhf("train", write_spec(tmp_path / "new.json", spec), "--out", out, "--restart", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "deleted 1 checkpoint(s)" in proc.stdout
+    assert "resumed" not in proc.stdout
+    assert "succeeded at step 2" in proc.stdout
+    assert [step for step, _ in list_checkpoints(out)] == [2]
+    assert json.loads((out / SPEC_FILE).read_text()) == spec.model_dump(mode="json")
+    assert json.loads((out / JOB_FILE).read_text())["spec"]["seed"] == 1
+    assert (out / "notes.txt").read_text() == "mine", "--restart deletes the run only"
+
+
+def test_train_resumes_under_another_name_metadata_or_queue(tmp_path, capsys):
+    out = tmp_path / "job"
+    train(make_spec("sft", hyperparameters=TWO_STEPS), out)
+    relabelled = make_spec(
+        "sft", hyperparameters=TWO_STEPS, name="renamed", metadata={"team": "b"}, resources={"queue": "train-a100"}
+    )
+    before = snapshot(out / "checkpoints")
+
+    cli.train(relabelled, out)
+    assert "succeeded at step 2" in capsys.readouterr().out
+    assert snapshot(out / "checkpoints") == before, "a finished run has nothing left to train"
+
+
+def test_a_folder_without_a_stored_spec_resumes(tmp_path):
+    """A folder written before spec.json existed (no spec.json, no job.json) resumes as it did."""
+    out = tmp_path / "job"
+    train(make_spec("sft", hyperparameters=TWO_STEPS), out, Recorder(stop_after=1))
+    (out / SPEC_FILE).unlink()
+    check_same_spec(out, make_spec("sft", hyperparameters={**TWO_STEPS, "max_steps": 3}))
