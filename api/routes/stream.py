@@ -19,7 +19,8 @@ two writers, the API (cancel, pause, resume, lease recovery) and the worker, so 
 seen event *settle*: it is sent only once it has been visible for ``event_settle_s`` (any event with a
 smaller id, taken before it, has committed by then), and each poll reads again from the cursor, so a
 late row is sent in its place, in id order. Events (and the ``status`` message of a change, which
-follows its event) are therefore up to about ``event_settle_s`` late; metrics are not held. Once the
+follows its event, held no longer than that event even while newer events keep settling) are therefore up
+to about ``event_settle_s`` late; metrics are not held. Once the
 job is final nothing writes events any more, so what a poll finds then is sent at once.
 """
 
@@ -170,14 +171,19 @@ async def job_events(
             cursor = Cursor(last_id, cursor.event_id)
             messages.append(sse("metrics", {"step": step, "metrics": values}, cursor))
         held = False
+        status_sent = None  # the status of the newest status-change event sent now: its message may follow it
+        for event in found.events:  # every event of this poll starts settling now, not once those before are sent
+            first_seen.setdefault(event["id"], seen_at)
         for event in found.events:
-            if not final and first_seen.setdefault(event["id"], seen_at) > polled_at - event_settle_s:
+            if not final and first_seen[event["id"]] > polled_at - event_settle_s:
                 held = True  # this one (and so every later one) waits for a later poll
                 break
             first_seen.pop(event["id"], None)
             cursor = Cursor(cursor.metric_id, event["id"])
             messages.append(sse("event", event, cursor))
-        if found.status != status and not held:
+            if event["kind"] == "status":
+                status_sent = event["data"].get("status")
+        if found.status != status and (not held or status_sent == found.status):
             status = found.status
             messages.append(sse("status", {"status": status, "step": found.step, "error": found.error}, cursor))
         finished = final and not found.more

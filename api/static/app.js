@@ -455,11 +455,20 @@
     }
     showJob(job);
 
+    // The stream's status messages are the newest word on the job: a response to a request sent before the
+    // latest of them (a fast job may pause before the pause request's own answer arrives) keeps that status.
+    let streamStatuses = 0;
+    function showAnswer(answer, statusesBefore) {
+      const stale = statusesBefore !== streamStatuses;
+      showJob(stale ? { ...answer, status: job.status, error: job.error } : answer);
+    }
+
     async function control(action) {
       controlError.hidden = true;
       for (const b of Object.values(buttons)) b.disabled = true;
+      const before = streamStatuses;
       try {
-        showJob(await api('POST', `/v1/jobs/${jobId}/${action}`));
+        showAnswer(await api('POST', `/v1/jobs/${jobId}/${action}`), before);
       } catch (e) {
         controlError.hidden = false;
         controlError.textContent = `Could not ${action}: ${e.describe ? e.describe() : e.message}`;
@@ -468,7 +477,10 @@
     }
 
     async function refreshJob() {
-      try { showJob(await api('GET', `/v1/jobs/${jobId}`, undefined, controller.signal)); } catch { /* stream shows it */ }
+      const before = streamStatuses;
+      try {
+        showAnswer(await api('GET', `/v1/jobs/${jobId}`, undefined, controller.signal), before);
+      } catch { /* the stream shows it */ }
     }
 
     // Charts: the job type's charts first (empty until data comes), then any other metric under "More metrics".
@@ -558,8 +570,10 @@
       } else if (kind === 'event') {
         addEvent(data);
       } else if (kind === 'status') {
-        if (data.status !== job.status) refreshJob();
+        streamStatuses += 1;
+        const changed = data.status !== job.status;
         showJob({ ...job, status: data.status, error: data.error, step: Math.max(job.step, data.step) });
+        if (changed) refreshJob();
       } else if (kind === 'end') {
         view.dataset.streamEnded = 'true';
         refreshJob();

@@ -2,15 +2,18 @@
 
 import itertools
 import json
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from api.routes.stream import Cursor, sse
+from api.routes.stream import Cursor, job_events, sse
 from jobs.store.models import utcnow
 from jobs.store.settings import Settings
 from tests.api.conftest import Db, Project, error_of
@@ -152,3 +155,62 @@ def test_messages_are_strict_json() -> None:
         "metrics", {"step": 1, "metrics": {"loss/sft": float("nan"), "lr": float("inf"), "n": 2.0}}, Cursor(7, 3)
     )
     assert text == 'id: 7-3\nevent: metrics\ndata: {"step":1,"metrics":{"loss/sft":null,"lr":null,"n":2.0}}\n\n'
+
+
+def test_a_backlog_of_events_settles_at_once(settings: Settings, project: Project, db: Db) -> None:
+    """Events a poll finds together settle together: a fast job's many checkpoint events and the status change
+    after them (a pause) arrive one settling period later, not one period per event (the stream used to fall
+    ever further behind a job writing more than one event per period, and never showed it paused)."""
+    job_id = db.job(project.id, status="running")
+    chunks: list[str] = []
+
+    async def follow() -> None:
+        stream = job_events(settings.resolved_database_url, job_id, Cursor(), 0.01, 60.0, event_settle_s=0.2)
+        async for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 1:  # the first message (status running); then a backlog and a pause at once
+                for step in range(30):
+                    db.event(job_id, f"checkpoint at step {step}", kind="checkpoint")
+                db.status(job_id, "pausing")
+                db.status(job_id, "paused")
+            if "event: status" in chunk and '"paused"' in chunk:
+                return
+
+    anyio.run(follow)
+    # the backlog (30 checkpoints, pausing, paused) and the status change went out together, in one message
+    assert chunks[-1].count("event: event") >= 32, [chunk[:200] for chunk in chunks]
+    assert chunks[-1].rstrip().endswith('{"status":"paused","step":0,"error":null}')
+
+
+def test_a_status_change_is_not_held_back_by_events_that_keep_coming(
+    settings: Settings, project: Project, db: Db
+) -> None:
+    """A job writing events more often than they take to settle (checkpoints of a fast job) still has its status
+    change streamed right after the change's own event, not only once the job stops writing."""
+    job_id = db.job(project.id, status="running")
+    writing = threading.Event()
+    writing.set()
+
+    def write_events() -> None:
+        for step in range(200):  # at most 10 s
+            if not writing.is_set():
+                return
+            db.event(job_id, f"checkpoint at step {step}", kind="checkpoint")
+            time.sleep(0.05)
+        writing.clear()
+
+    async def follow() -> bool:
+        writer = threading.Thread(target=write_events, daemon=True)
+        async for chunk in job_events(settings.resolved_database_url, job_id, Cursor(), 0.01, 60.0, 0.2):
+            if writer.ident is None:  # after the first message: events keep coming, then the status changes
+                writer.start()
+                await anyio.sleep(0.3)
+                db.status(job_id, "pausing")
+            if '"status":"pausing","step"' in chunk:
+                return writing.is_set()  # the writer was still going
+        raise AssertionError("the stream ended")
+
+    try:
+        assert anyio.run(follow), "the status change waited until no more events came"
+    finally:
+        writing.clear()
