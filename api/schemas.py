@@ -48,6 +48,8 @@ class FilePublic(BaseModel):
     purpose: Purpose
     bytes: int
     rows: int
+    chat: bool = False
+    """Whether the rows hold chat messages (rendered with the model's chat template)."""
     created_at: UtcDatetime
 
     @classmethod
@@ -58,6 +60,7 @@ class FilePublic(BaseModel):
             purpose=row.purpose,
             bytes=row.bytes,
             rows=row.rows,
+            chat=row.chat,
             created_at=row.created_at,
         )
 

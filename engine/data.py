@@ -1,15 +1,17 @@
 """Datasets: loading and validating rows, tokenising them, and a resumable batch order."""
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine import builtin
-from engine.rows import DatasetError, parse_line
+from engine.rows import ChatTemplateMissingError, DatasetError, Message, Text, is_chat, parse_line, split_prompt
 
 
-def parse_jsonl(lines: list[str], kind: str) -> list[dict[str, str]]:
+def parse_jsonl(lines: list[str], kind: str) -> list[dict[str, Any]]:
     """Parse and validate JSONL text; blank lines are skipped, any bad line fails the whole file."""
     rows = [parse_line(line, kind, number) for number, line in enumerate(lines, start=1) if line.strip()]
     if not rows:
@@ -17,7 +19,7 @@ def parse_jsonl(lines: list[str], kind: str) -> list[dict[str, str]]:
     return rows
 
 
-def load_rows(ref: str, kind: str) -> list[dict[str, str]]:
+def load_rows(ref: str, kind: str) -> list[dict[str, Any]]:
     """Rows of a dataset: ``builtin:<name>`` or a JSONL file path."""
     if ref.startswith("builtin:"):
         name = ref.removeprefix("builtin:")
@@ -47,18 +49,119 @@ def batch_indices(n_rows: int, batch_size: int, seed: int, step: int) -> list[in
     return permutation[position * batch_size : (position + 1) * batch_size].tolist()
 
 
-def encode_pair(
-    tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str, max_length: int
-) -> tuple[list[int], int]:
-    """Token ids of prompt + completion + EOS, and how many of them are prompt.
+def text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """The tokens of ``text`` alone, no special tokens added."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    Over-long examples lose tokens from the start of the prompt, then from the end of the completion.
+
+def special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokens the tokenizer puts before a text (Llama's BOS; none for GPT-2 or Qwen2)."""
+    marked, plain = list(tokenizer("x", add_special_tokens=True)["input_ids"]), text_ids(tokenizer, "x")
+    for start in range(len(marked) - len(plain) + 1):
+        if marked[start : start + len(plain)] == plain:
+            return marked[:start]
+    return []
+
+
+def render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], add_generation_prompt: bool) -> str:
+    """Messages as the tokenizer's chat template writes them (``add_generation_prompt``: ending with the opening
+    of the assistant's turn)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateMissingError("chat messages need a tokenizer with a chat template, and this one has none")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    assert isinstance(text, str)
+    return text
+
+
+def require_chat_template(tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]], field: str) -> None:
+    """Refuse chat rows up front when the tokenizer cannot render them (``field``: the spec field they came from)."""
+    if any(is_chat(row) for row in rows) and not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateMissingError(
+            f"{field}: the rows are chat messages, and the model's tokenizer has no chat template to render them "
+            "with; use plain-text rows, or a model whose tokenizer has a chat template"
+        )
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: Text) -> list[int]:
+    """The tokens a sequence starts with: the tokenizer's own prefix (BOS where it adds one) and the text, or the
+    messages rendered by the chat template with the generation prompt (the template writes its own BOS)."""
+    if isinstance(prompt, str):
+        return special_prefix(tokenizer) + text_ids(tokenizer, prompt)
+    return text_ids(tokenizer, render(tokenizer, prompt, add_generation_prompt=True))
+
+
+def encode_conversation(
+    tokenizer: PreTrainedTokenizerBase, messages: list[Message], first_trained: int = 0
+) -> tuple[list[int], list[bool]]:
+    """Token ids of a rendered conversation, and which of them are trained: the assistant messages from index
+    ``first_trained`` on, each from the end of the generation prompt before it to the end of its turn.
+
+    Rendered turn by turn (the conversation up to each trained message, with and without it), so the trained
+    tokens are exactly what sampling after that prompt would have to produce. The last trained turn ends with
+    EOS (added when the template does not write it).
     """
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    completion_ids = [*tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
-    completion_ids = completion_ids[:max_length]
-    prompt_ids = prompt_ids[max(0, len(prompt_ids) + len(completion_ids) - max_length) :]
-    return prompt_ids + completion_ids, len(prompt_ids)
+    ids: list[int] = []
+    trained: list[bool] = []
+    done = ""
+
+    def add(text: str, is_trained: bool) -> None:
+        new = text_ids(tokenizer, text)
+        ids.extend(new)
+        trained.extend([is_trained] * len(new))
+
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" or i < first_trained:
+            continue
+        before = render(tokenizer, messages[:i], add_generation_prompt=True)
+        after = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not (before.startswith(done) and after.startswith(before)):
+            raise DatasetError("the chat template does not render conversations turn by turn (a later turn "
+                               "rewrites an earlier one), so the assistant's tokens cannot be told apart")  # fmt: skip
+        add(before[len(done) :], False)
+        start = len(ids)
+        add(after[len(before) :], True)
+        if tokenizer.eos_token_id not in ids[start:]:
+            ids.append(tokenizer.eos_token_id)
+            trained.append(True)
+        done = after
+    whole = render(tokenizer, messages, add_generation_prompt=False)
+    if whole.startswith(done) and whole[len(done) :]:
+        add(whole[len(done) :], False)
+    return ids, trained
+
+
+def encode_completion(
+    tokenizer: PreTrainedTokenizerBase, prompt: Text, completion: Text
+) -> tuple[list[int], list[bool]]:
+    """Prompt then completion, and which tokens are the completion's: plain text as prefix + prompt +
+    completion + EOS, messages as the chat template renders them."""
+    if isinstance(prompt, str) and isinstance(completion, str):
+        head = prompt_ids(tokenizer, prompt)
+        tail = [*text_ids(tokenizer, completion), tokenizer.eos_token_id]
+        return head + tail, [False] * len(head) + [True] * len(tail)
+    assert isinstance(prompt, list) and isinstance(completion, list)
+    return encode_conversation(tokenizer, [*prompt, *completion], first_trained=len(prompt))
+
+
+def truncate(ids: list[int], trained: list[bool], max_length: int) -> tuple[list[int], list[bool]]:
+    """At most ``max_length`` tokens: first dropped from the start of the prompt (the tokens before the first
+    trained one), then from the end."""
+    first = trained.index(True) if True in trained else len(ids)
+    drop = max(0, min(first, len(ids) - max_length))
+    return ids[drop:][:max_length], trained[drop:][:max_length]
+
+
+def encode_sft_example(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any]) -> tuple[list[int], list[bool]]:
+    if "messages" in row:
+        return encode_conversation(tokenizer, row["messages"])
+    return encode_completion(tokenizer, row["prompt"], row["completion"])
+
+
+def preference_parts(row: dict[str, Any]) -> tuple[Text, Text, Text]:
+    """(prompt, chosen, rejected) of a preference row, the implicit-prompt form made explicit."""
+    if "prompt" not in row:
+        return split_prompt(row)
+    return row["prompt"], row["chosen"], row["rejected"]
 
 
 def pad_right(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,27 +175,35 @@ def pad_right(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return input_ids, attention_mask
 
 
-def encode_sft_batch(
-    tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, str]], max_length: int
+def labelled_batch(
+    encoded: list[tuple[list[int], list[bool]]], pad_id: int, max_length: int
 ) -> dict[str, torch.Tensor]:
-    """input_ids, attention_mask and labels (B, L); labels are -100 on prompt and padding."""
-    encoded = [encode_pair(tokenizer, r["prompt"], r["completion"], max_length) for r in rows]
-    input_ids, attention_mask = pad_right([ids for ids, _ in encoded], tokenizer.pad_token_id)
-    labels = input_ids.masked_fill(attention_mask == 0, -100)
-    for i, (_, n_prompt) in enumerate(encoded):
-        labels[i, :n_prompt] = -100
+    """input_ids, attention_mask and labels (B, L), right-padded; labels are -100 except on trained tokens."""
+    cut = [truncate(ids, trained, max_length) for ids, trained in encoded]
+    input_ids, attention_mask = pad_right([ids for ids, _ in cut], pad_id)
+    labels = torch.full_like(input_ids, -100)
+    for i, (ids, trained) in enumerate(cut):
+        flags = torch.tensor(trained, dtype=torch.bool)
+        labels[i, : len(ids)] = torch.where(flags, torch.tensor(ids), -100)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def encode_sft_batch(
+    tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]], max_length: int
+) -> dict[str, torch.Tensor]:
+    """input_ids, attention_mask and labels (B, L); labels are -100 on prompts, non-assistant turns and padding."""
+    return labelled_batch([encode_sft_example(tokenizer, row) for row in rows], tokenizer.pad_token_id, max_length)
+
+
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_prompt_length: int
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Text], max_prompt_length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompt ids and mask (B, P); long prompts keep their last tokens.
 
     An empty prompt becomes the BOS token (EOS where there is none), so sampling starts unconditioned.
     """
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"][-max_prompt_length:] or [start] for p in prompts]
+    ids = [prompt_ids(tokenizer, p)[-max_prompt_length:] or [start] for p in prompts]
     length = max(map(len, ids))
     input_ids = torch.full((len(ids), length), tokenizer.pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(ids), length), dtype=torch.long)

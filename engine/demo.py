@@ -18,8 +18,9 @@ from engine.data import encode_prompts, load_rows
 from engine.generate import sample
 from engine.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model_ref
 from engine.ops import truncate_after_stop
+from engine.reward import sequence_scores
 from engine.rm import encode_pairs, evaluate_pairs
-from engine.rollout import response_logprobs, sequence_scores
+from engine.rollout import response_logprobs
 
 SEED = 0
 TEMPERATURE = 1.0

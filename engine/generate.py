@@ -1,5 +1,6 @@
 """Sampling with a KV cache, for PPO rollouts and for generating from any checkpoint."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -8,6 +9,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from engine.data import encode_prompts
 from engine.models import check_fits, context_length
 from engine.ops import logprobs_from_logits, position_ids_from_mask, truncate_after_stop
+from engine.rows import Text
 
 
 def sample_next(
@@ -80,7 +82,7 @@ def sample(
 
 @dataclass
 class Completion:
-    prompt: str
+    prompt: Text
     text: str
     finish_reason: str
     """``stop`` when the model produced EOS, ``length`` when it ran out of tokens."""
@@ -93,7 +95,7 @@ class Completion:
 def generate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    prompts: list[str],
+    prompts: Sequence[Text],
     max_new_tokens: int = 32,
     temperature: float = 0.7,
     top_p: float = 1.0,
@@ -102,7 +104,8 @@ def generate(
     n: int = 1,
 ) -> list[Completion]:
     """Complete each prompt ``n`` times (one batch, each prompt repeated ``n`` times in a row); seeded, so the
-    same call returns the same texts.
+    same call returns the same texts. A prompt is text (after the tokenizer's BOS, where it adds one) or chat
+    messages (rendered by the chat template with the generation prompt): encoded as training encodes prompts.
 
     Prompts longer than the model's context allows (after room for ``max_new_tokens``) keep their end.
     """

@@ -72,7 +72,7 @@ class CollapseMonitor:
     - ``perplexity_collapse``: log ``response/perplexity`` (the mean surprisal of the sampled tokens) below
       ``perplexity_ratio`` × its median: the policy became near-deterministic.
     - ``length_blowup``: ``response/length_mean`` at least ``length_factor`` × its median, or every response
-      at ``max_length`` while the median was below it.
+      at ``max_length`` after a rise of at least half that factor (the cap keeps it from rising further).
 
     Each step's values join the history after it was judged, so a lasting change alerts for a few steps until
     it is the new normal.
@@ -172,7 +172,10 @@ class CollapseMonitor:
             return None
         center = base[0]
         threshold = self.length_factor * center
-        pinned = self.max_length is not None and value >= self.max_length > center
+        # Pinned at the cap, which keeps the length from reaching the threshold: a blow-up when the rise is at
+        # least half the threshold's (responses at the cap from the start, 15.8 -> 16 of 16, are no blow-up).
+        rise = 1 + (self.length_factor - 1) / 2
+        pinned = self.max_length is not None and value >= self.max_length >= rise * center
         if not (value >= threshold and value > center) and not pinned:
             return None
         why = f"every response hit the maximum length ({self.max_length})" if pinned else "responses blew up"

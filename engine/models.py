@@ -4,9 +4,8 @@ A model reference is ``builtin:tiny``, a hub id, a local Hugging Face directory,
 output folder (its final checkpoint), or a checkpoint folder ``.../checkpoints/step-N``.
 """
 
-import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import (
@@ -24,33 +23,10 @@ from transformers.activations import GELUTanh, NewGELUActivation
 
 from engine import builtin
 from engine.config import LoraSpec
+from engine.hub import explain_missing, hub_kwargs
+from engine.model_refs import ModelNotFoundError as ModelNotFoundError  # re-exported: callers catch it from here
+from engine.model_refs import resolve_model_ref as resolve_model_ref
 from engine.ops import position_ids_from_mask
-
-
-class ModelNotFoundError(ValueError):
-    """A model reference names nothing loadable."""
-
-
-def resolve_model_ref(ref: str) -> str:
-    """Turn a job folder or checkpoint folder into the model directory inside it.
-
-    ``DIR`` (a finished job's output) → its final checkpoint's ``policy/``;
-    ``DIR/checkpoints/step-N`` → its ``policy/``; anything else is returned unchanged.
-    """
-    path = Path(ref)
-    if ref.startswith("builtin:") or not path.exists():
-        return ref
-    if (path / "policy" / "config.json").exists():
-        return str(path / "policy")
-    job_file = path / "job.json"
-    if job_file.exists():
-        job = json.loads(job_file.read_text())
-        if job.get("status") != "succeeded":
-            raise ModelNotFoundError(f"{ref}: the job has not succeeded (status {job.get('status')!r})")
-        return str(path / "checkpoints" / f"step-{job['final_step']}" / "policy")
-    if (path / "checkpoints").is_dir():
-        raise ModelNotFoundError(f"{ref}: the job has not finished; name one of its checkpoints instead")
-    return ref
 
 
 def load_tokenizer(ref: str) -> PreTrainedTokenizerBase:
@@ -61,10 +37,11 @@ def load_tokenizer(ref: str) -> PreTrainedTokenizerBase:
             tokenizer_file=str(builtin.TOKENIZER_FILE), eos_token=builtin.EOS_TOKEN, pad_token=builtin.PAD_TOKEN
         )
     else:
+        path = resolve_model_ref(ref)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(resolve_model_ref(ref), trust_remote_code=False)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, **hub_kwargs(path))
         except OSError as e:
-            raise ModelNotFoundError(f"cannot load a tokenizer from {ref!r}: {e}") from e
+            raise ModelNotFoundError(f"no tokenizer: {explain_missing(ref, e)}") from e
     if tokenizer.eos_token_id is None:
         raise ModelNotFoundError(f"the tokenizer of {ref!r} has no EOS token")
     if tokenizer.pad_token_id is None:
@@ -93,30 +70,69 @@ def load_causal_lm(ref: str, tokenizer: PreTrainedTokenizerBase, seed: int) -> P
     return _from_pretrained(AutoModelForCausalLM, ref)
 
 
-def load_scalar_model(ref: str, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
+def load_scalar_model(
+    ref: str, tokenizer: PreTrainedTokenizerBase, seed: int, trained_head: bool = False
+) -> PreTrainedModel:
     """A sequence-classification model with one output: reward model or critic.
 
-    From a causal LM the scalar head starts random (seeded); from a reward model it is kept.
+    From a causal LM the scalar head starts random (seeded); from a reward model it is kept. ``trained_head``:
+    the model must bring its head (a reward model to score with), so a causal LM is refused instead of scoring
+    with a random head.
     """
     torch.manual_seed(seed)
     if ref == builtin.TINY_MODEL:
+        if trained_head:
+            raise RewardModelError(f"{ref} is a causal LM, not a reward model: it has no trained score head")
         config = _tiny_config(tokenizer)
         config.num_labels = 1
         return GPT2ForSequenceClassification(config)
-    model = _from_pretrained(AutoModelForSequenceClassification, ref, num_labels=1)
+    model, info = _from_pretrained(AutoModelForSequenceClassification, ref, num_labels=1, output_loading_info=True)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if not hasattr(model, "score"):
         raise ModelNotFoundError(f"{ref!r}: a scalar head named 'score' is required (decoder-only models have one)")
+    if trained_head and any(key.split(".")[0] == "score" for key in info["missing_keys"]):
+        raise RewardModelError(
+            f"{ref!r} has no trained score head (a causal LM, not a reward model), so its scores would be random; "
+            "train a reward model from it first (an rm job) and name that"
+        )
     return model
 
 
-def _from_pretrained(auto: type, ref: str, **kwargs: object) -> PreTrainedModel:
+class RewardModelError(ValueError):
+    """A model named as a reward model cannot score (no trained head)."""
+
+
+def lm_head_weight(model: PreTrainedModel, ref: str) -> torch.Tensor:
+    """The LM head (V, H) for an LM loss on a classifier's hidden states (which has no LM head of its own).
+
+    With tied embeddings (GPT-2) it is the input embedding matrix, trained with the backbone. Untied (Llama,
+    Qwen2, Mistral, GPT-NeoX by default) it is the causal LM ``ref``'s own ``lm_head``, kept frozen: the
+    classifier trains and saves no LM head.
+    """
+    classifier = model.get_base_model() if is_lora(model) else model  # type: ignore[operator]
+    if getattr(classifier.config, "tie_word_embeddings", True):
+        weight = classifier.get_input_embeddings().weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
+    causal, info = _from_pretrained(AutoModelForCausalLM, ref, output_loading_info=True)
+    head = causal.get_output_embeddings()
+    head_names = {name for name, param in causal.named_parameters() if head is not None and param is head.weight}
+    if head is None or head_names & set(info["missing_keys"]):
+        raise RewardModelError(
+            f"lm_loss_coef needs the LM head of the starting model, and {ref!r} has none (not a causal LM)"
+        )
+    embedding = classifier.get_input_embeddings().weight
+    return head.weight.detach().to(device=embedding.device, dtype=embedding.dtype)
+
+
+def _from_pretrained(auto: type, ref: str, **kwargs: object) -> Any:
     path = resolve_model_ref(ref)
+    kwargs.update(hub_kwargs(path, model=True))  # a hub id never waits on a hub it cannot reach
     try:
         return auto.from_pretrained(path, trust_remote_code=False, use_safetensors=None, **kwargs)  # type: ignore[attr-defined]
     except (OSError, ValueError) as e:
-        raise ModelNotFoundError(f"cannot load {ref!r}: {e}") from e
+        raise ModelNotFoundError(explain_missing(ref, e)) from e
 
 
 def prepare(model: PreTrainedModel, device: torch.device, dtype: str, gradient_checkpointing: bool) -> PreTrainedModel:
@@ -176,14 +192,17 @@ class ScalarHead(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        backbone = getattr(self.model, self.model.base_model_prefix)
+        # With LoRA, the wrapped classifier (its layers carry the adapters); its backbone is found by the
+        # architecture's prefix ("model" for Llama, "transformer" for GPT-2), never on the PEFT wrapper itself.
+        classifier = self.model.get_base_model() if is_lora(self.model) else self.model  # type: ignore[operator]
+        backbone = getattr(classifier, classifier.base_model_prefix)
         hidden = backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids_from_mask(attention_mask),
             use_cache=False,
         ).last_hidden_state  # (B, L, H)
-        head = self.model.score
+        head = classifier.score
         assert isinstance(head, torch.nn.Module)
         return head(hidden).squeeze(-1).float(), hidden  # (B, L), (B, L, H)
 

@@ -83,3 +83,13 @@ def last_valid_index(attention_mask: torch.Tensor) -> torch.Tensor:
     T = attention_mask.shape[-1]
     positions = torch.arange(T, device=attention_mask.device).expand_as(attention_mask)
     return torch.where(attention_mask.bool(), positions, -1).max(-1).values
+
+
+def reward_index(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
+    """Where a sequence-classification model reads each row of (B, T): its last valid token that is not the pad
+    token, as transformers' ``*ForSequenceClassification`` pools (so a saved reward model scores in plain
+    transformers what it scored in training, also when pad is EOS); a row of nothing else, its last valid token.
+    """
+    readable = attention_mask.bool() if pad_token_id is None else attention_mask.bool() & (input_ids != pad_token_id)
+    index = last_valid_index(readable.long())  # (B,)
+    return torch.where(index >= 0, index, last_valid_index(attention_mask))

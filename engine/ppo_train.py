@@ -11,14 +11,15 @@ of every minibatch, DDP averaging the gradients.
 
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
 from engine.config import JobSpec, PPOConfig
-from engine.data import batch_indices, encode_prompts, encode_sft_batch, load_rows
+from engine.data import batch_indices, encode_prompts, encode_sft_batch, load_rows, require_chat_template
 from engine.distributed import Ranks
 from engine.health import CollapseMonitor, TrainingCollapseError
 from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
@@ -35,7 +36,9 @@ from engine.ppo import (
     policy_loss,
     value_loss,
 )
-from engine.rollout import gather_rollout, make_rollout, response_logprobs, response_values
+from engine.reward import same_vocabulary
+from engine.rollout import gather_rollout, make_rollout, response_logprobs, response_values, text_scorer, token_scorer
+from engine.rows import Text
 from engine.sft import completion_loss_sum, count_labels
 
 MB_STATS = ("pg", "vf", "clip", "vclip", "akl", "ent", "ptx")
@@ -55,28 +58,57 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     ranks = Ranks.current()  # several processes: each rolls out and trains on its share of every batch
 
     # 1. data: prompts, and SFT rows for the optional pretraining (ptx) loss; rank 0 evaluates
-    prompts = [r["prompt"] for r in load_rows(spec.dataset, "ppo")]
+    prompt_rows = load_rows(spec.dataset, "ppo")
+    prompts = [r["prompt"] for r in prompt_rows]
     ptx_rows = load_rows(cfg.ptx_dataset, "sft") if cfg.ptx_dataset and cfg.ptx_coef > 0 else []
-    eval_rows = load_rows(spec.eval_dataset, "ppo") if spec.eval_dataset and ranks.is_main else []
+    eval_rows = (
+        load_rows(spec.eval_dataset, "ppo")[: cfg.eval_max_prompts] if spec.eval_dataset and ranks.is_main else []
+    )
     eval_prompts = [r["prompt"] for r in eval_rows]
-    eval_prompts = eval_prompts[: cfg.eval_max_prompts]
 
-    # 2. models: trained policy and critic (the critic starts as the reward model, PPO-max), frozen
-    #    reference (the starting policy) and frozen reward model. With LoRA the reference and the
-    #    reward model are the policy's and critic's own bases with the adapters disabled (None here).
+    # 2. models: trained policy and critic, frozen reference (the starting policy) and frozen reward model.
+    #    The critic starts as the reward model (PPO-max); with LoRA the reference and the reward model are the
+    #    policy's and critic's own bases with the adapters disabled. A reward model of another vocabulary
+    #    scores the decoded text with its own tokenizer, and the critic then starts from the policy's backbone.
     tokenizer = load_tokenizer(spec.model)
+    for rows, field in (
+        (prompt_rows, "dataset"),
+        (eval_rows, "eval_dataset"),
+        (ptx_rows, "hyperparameters.ptx_dataset"),
+    ):
+        require_chat_template(tokenizer, rows, field)
+    reward_tokenizer = load_tokenizer(spec.reward_model)
+    shared_vocabulary = same_vocabulary(tokenizer, reward_tokenizer)
     run = Run(spec, out_dir, callbacks, tokenizer, ranks)
 
     def causal_lm(ref: str) -> PreTrainedModel:
         return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
 
-    def scalar_model(ref: str) -> PreTrainedModel:
-        return prepare(load_scalar_model(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
+    def scalar_model(
+        ref: str, tokenizer: PreTrainedTokenizerBase = tokenizer, trained_head: bool = True
+    ) -> PreTrainedModel:
+        model = load_scalar_model(ref, tokenizer, spec.seed, trained_head)
+        return prepare(model, device, cfg.dtype, cfg.gradient_checkpointing)
 
     policy = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
-    value_model = run.load_trained("value", spec.reward_model, scalar_model, "SEQ_CLS")
     ref_policy = frozen(causal_lm(spec.model)) if spec.lora is None else None
-    reward_model = frozen(scalar_model(spec.reward_model)) if spec.lora is None else None
+    stop_token_id = tokenizer.eos_token_id if cfg.stop_token == "eos" else None
+    if shared_vocabulary:
+        value_model = run.load_trained("value", spec.reward_model, scalar_model, "SEQ_CLS")
+        reward_model = frozen(scalar_model(spec.reward_model)) if spec.lora is None else None
+        scorer = token_scorer(reward_model, value_model)
+    else:
+        value_model = run.load_trained(
+            "value", spec.model, lambda ref: scalar_model(ref, trained_head=False), "SEQ_CLS"
+        )
+        reward_model = frozen(scalar_model(spec.reward_model, reward_tokenizer))
+        scorer = text_scorer(reward_model, reward_tokenizer, tokenizer, stop_token_id)
+        callbacks.on_event(
+            "info",
+            "the reward model's tokenizer differs from the policy's: responses are scored as text, re-encoded by "
+            "the reward model's tokenizer, and the critic starts from the policy",
+            {"reward_model": spec.reward_model},
+        )
     check_fits(policy, cfg.max_prompt_length + cfg.response_length, "max_prompt_length + response_length")
     if ptx_rows:
         check_fits(policy, cfg.max_length, "hyperparameters.max_length")
@@ -115,21 +147,19 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         shuffle.set_state(state["shuffle"])
     if done := run.result_if_finished(start_step):
         return done
-    stop_token_id = tokenizer.eos_token_id if cfg.stop_token == "eos" else None
     B, T = cfg.batch_size, cfg.response_length
     mbs = cfg.micro_batch_size // ranks.world_size  # a rank's micro-batch
     minibatch_share = ranks.share(cfg.mini_batch_size)  # a rank's rows of each minibatch
 
-    def evaluate(eval_prompts: list[str]) -> dict[str, float]:
+    def evaluate(eval_prompts: Sequence[Text]) -> dict[str, float]:
         """Held-out prompts, sampled as in training but from their own fixed seed (training RNG untouched)."""
         eval_generator = torch.Generator(device).manual_seed(spec.seed)
         scores, kls, lengths = [], [], []
         for i in range(0, len(eval_prompts), B):
-            queries, query_mask = (
-                t.to(device) for t in encode_prompts(tokenizer, eval_prompts[i : i + B], cfg.max_prompt_length)
-            )
+            chunk = eval_prompts[i : i + B]
+            queries, query_mask = (t.to(device) for t in encode_prompts(tokenizer, chunk, cfg.max_prompt_length))
             ro = make_rollout(
-                policy, ref_policy, value_model, reward_model, queries, query_mask, T, cfg.temperature, cfg.top_k,
+                policy, ref_policy, value_model, scorer, chunk, queries, query_mask, T, cfg.temperature, cfg.top_k,
                 stop_token_id, tokenizer.pad_token_id, eval_generator, chunk_size=cfg.mini_batch_size,
             )  # fmt: skip
             scores.append(ro.scores)
@@ -147,6 +177,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         batch_prompts = [prompts[i] for i in batch_indices(len(prompts), B, spec.seed, step - 1)]
         queries, query_mask = encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_length)
         queries, query_mask = queries[ranks.share(B)].to(device), query_mask[ranks.share(B)].to(device)
+        own_prompts = batch_prompts[ranks.share(B)]
 
         # 2. rollout: responses truncated after the stop token; logprobs, ref_logprobs, values, scores. Every
         #    rank's rows are then gathered: the steps up to the PPO epochs see the whole batch.
@@ -154,7 +185,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
             policy,
             ref_policy,
             value_model,
-            reward_model,
+            scorer,
+            own_prompts,
             queries,
             query_mask,
             T,

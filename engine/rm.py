@@ -5,6 +5,7 @@ plus an optional LM loss on the chosen text (MOSS-RLHF, arXiv:2307.04964).
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,40 +13,44 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
 from engine.config import JobSpec, RMConfig
-from engine.data import batch_indices, encode_pair, load_rows, pad_right
+from engine.data import (
+    batch_indices,
+    encode_completion,
+    labelled_batch,
+    load_rows,
+    preference_parts,
+    require_chat_template,
+)
 from engine.distributed import Ranks
 from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
-from engine.models import ScalarHead, check_fits, load_scalar_model, load_tokenizer, prepare
-from engine.ops import last_valid_index
+from engine.models import ScalarHead, check_fits, lm_head_weight, load_scalar_model, load_tokenizer, prepare
+from engine.ops import reward_index
 
 
 def encode_pairs(
-    tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, str]], max_length: int
+    tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]], max_length: int
 ) -> dict[str, torch.Tensor]:
     """Chosen rows then rejected rows in one right-padded batch (2B, L), with LM labels for the chosen."""
-    chosen = [encode_pair(tokenizer, r["prompt"], r["chosen"], max_length) for r in rows]
-    rejected = [encode_pair(tokenizer, r["prompt"], r["rejected"], max_length) for r in rows]
-    input_ids, attention_mask = pad_right([ids for ids, _ in chosen + rejected], tokenizer.pad_token_id)
-    labels = input_ids.masked_fill(attention_mask == 0, -100)
-    for i, (_, n_prompt) in enumerate(chosen):
-        labels[i, :n_prompt] = -100
-    labels[len(rows) :] = -100  # LM loss on the chosen completions only
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    parts = [preference_parts(row) for row in rows]
+    chosen = [encode_completion(tokenizer, prompt, good) for prompt, good, _ in parts]
+    rejected = [encode_completion(tokenizer, prompt, bad) for prompt, _, bad in parts]
+    unlabelled = [(ids, [False] * len(ids)) for ids, _ in rejected]  # LM loss on the chosen completions only
+    return labelled_batch(chosen + unlabelled, tokenizer.pad_token_id, max_length)
 
 
-def pair_rewards(scalar: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards at the last valid token (2B,), and the backbone's hidden states (2B, L, H). ``scalar``: a
-    :class:`ScalarHead`, or one wrapped in DistributedDataParallel."""
+def pair_rewards(
+    scalar: torch.nn.Module, batch: dict[str, torch.Tensor], pad_token_id: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards (2B,) where the model reads (:func:`reward_index`), and the backbone's hidden states (2B, L, H).
+    ``scalar``: a :class:`ScalarHead`, or one wrapped in DistributedDataParallel; ``pad_token_id``: its model's."""
     scores, hidden = scalar(batch["input_ids"], batch["attention_mask"])  # (2B, L)
-    last = last_valid_index(batch["attention_mask"])  # (2B,)
-    return scores.gather(1, last.unsqueeze(1)).squeeze(1), hidden
+    index = reward_index(batch["input_ids"], batch["attention_mask"], pad_token_id)  # (2B,)
+    return scores.gather(1, index.unsqueeze(1)).squeeze(1), hidden
 
 
-def lm_loss_sum(model: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token loss through the tied input embeddings (the classifier has no LM head)."""
-    embeddings = model.get_input_embeddings().weight  # (V, H)
-    assert isinstance(embeddings, torch.Tensor)
-    logits = hidden[:, :-1] @ embeddings.T  # (2B, L-1, V)
+def lm_loss_sum(lm_head: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token loss of the hidden states read through ``lm_head`` (V, H) (see :func:`lm_head_weight`)."""
+    logits = hidden[:, :-1] @ lm_head.T  # (2B, L-1, V)
     return F.cross_entropy(logits.flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum")
 
 
@@ -55,7 +60,7 @@ def evaluate_pairs(model: PreTrainedModel, batches: list[dict[str, torch.Tensor]
     model.eval()
     margins = []
     for batch in batches:
-        rewards, _ = pair_rewards(ScalarHead(model), batch)
+        rewards, _ = pair_rewards(ScalarHead(model), batch, model.config.pad_token_id)
         chosen, rejected = rewards.chunk(2)
         margins.append(chosen - rejected)
     margin = torch.cat(margins)
@@ -75,6 +80,8 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
 
     # 2. model (scalar head on the starting model's backbone), optimizer, schedule, resume
     tokenizer = load_tokenizer(spec.model)
+    require_chat_template(tokenizer, rows, "dataset")
+    require_chat_template(tokenizer, eval_rows, "eval_dataset")
     run = Run(spec, out_dir, callbacks, tokenizer, ranks)
 
     def scalar_model(ref: str) -> PreTrainedModel:
@@ -82,6 +89,8 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
 
     model = run.load_trained("policy", spec.model, scalar_model, "SEQ_CLS")
     check_fits(model, cfg.max_length, "hyperparameters.max_length")
+    pad_token_id = model.config.pad_token_id  # where the reward is read, as plain transformers reads it
+    lm_head = lm_head_weight(model, spec.model) if cfg.lm_loss_coef > 0 else None
     params = [p for p in model.parameters() if p.requires_grad]
     trained = ranks.wrap(ScalarHead(model))  # DistributedDataParallel with several processes
     optimizer = make_optimizer(params, cfg, cfg.learning_rate)
@@ -113,11 +122,11 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
         loss_total, margins = torch.zeros((), device=device), []
         for i, batch in enumerate(micro_batches):
             with ranks.no_sync(trained, last=i == len(micro_batches) - 1):
-                rewards, hidden = pair_rewards(trained, batch)  # (2b,)
+                rewards, hidden = pair_rewards(trained, batch, pad_token_id)  # (2b,)
                 chosen, rejected = rewards.chunk(2)  # (b,), (b,)
                 loss = -F.logsigmoid(chosen - rejected - cfg.margin).sum() / cfg.batch_size
-                if cfg.lm_loss_coef > 0:
-                    loss = loss + cfg.lm_loss_coef * lm_loss_sum(model, hidden, batch["labels"]) / n_lm_tokens
+                if lm_head is not None:
+                    loss = loss + cfg.lm_loss_coef * lm_loss_sum(lm_head, hidden, batch["labels"]) / n_lm_tokens
                 (loss * ranks.loss_scale).backward()
             loss_total += loss.detach()
             margins.append((chosen - rejected).detach())

@@ -3,16 +3,19 @@
 Every forward here runs under ``torch.inference_mode()``; the training forwards are in ppo_train.py.
 """
 
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields, replace
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.distributed import Ranks
 from engine.generate import sample
 from engine.models import ScalarHead, lm_logits
-from engine.ops import last_valid_index, logprobs_from_logits, truncate_after_stop
+from engine.ops import logprobs_from_logits, truncate_after_stop
+from engine.reward import score_texts, sequence_scores
+from engine.rows import Text
 
 
 @dataclass
@@ -61,17 +64,46 @@ def response_values(
     return values[:, context_length - 1 : -1]
 
 
-def sequence_scores(
-    model: PreTrainedModel, query_responses: torch.Tensor, attention_mask: torch.Tensor
-) -> torch.Tensor:
-    """Reward model score at each sequence's last kept token: (B,)."""
-    scores, _ = ScalarHead(model)(query_responses, attention_mask)  # (B, P + T)
-    return scores.gather(1, last_valid_index(attention_mask).unsqueeze(1)).squeeze(1)
-
-
 def base_of(model: PreTrainedModel) -> AbstractContextManager[None]:
     """Within this block a LoRA model computes as its frozen base model."""
     return model.disable_adapter()  # type: ignore[operator]
+
+
+Scorer = Callable[[Sequence[Text], torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""Reward-model scores of rollout rows: (their prompts, query_responses (b, P + T), attention_mask (b, P + T),
+P) -> (b,). See :func:`token_scorer` and :func:`text_scorer`."""
+
+
+def token_scorer(reward_model: PreTrainedModel | None, value_model: PreTrainedModel) -> Scorer:
+    """Scores of the sampled tokens themselves, for a reward model of the policy's vocabulary (``None``: the
+    critic's base with its LoRA adapters disabled, the critic having started as the reward model)."""
+
+    def score(
+        prompts: Sequence[Text], query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int
+    ) -> torch.Tensor:
+        with base_of(value_model) if reward_model is None else nullcontext():
+            return sequence_scores(reward_model or value_model, query_responses, attention_mask)
+
+    return score
+
+
+def text_scorer(
+    reward_model: PreTrainedModel,
+    reward_tokenizer: PreTrainedTokenizerBase,
+    policy_tokenizer: PreTrainedTokenizerBase,
+    stop_token_id: int | None,
+) -> Scorer:
+    """Scores of the decoded responses, encoded anew by the reward model's own tokenizer (:func:`score_texts`)."""
+
+    def score(
+        prompts: Sequence[Text], query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int
+    ) -> torch.Tensor:
+        responses = query_responses[:, P:].masked_fill(attention_mask[:, P:] == 0, policy_tokenizer.pad_token_id)
+        texts = policy_tokenizer.batch_decode(responses, skip_special_tokens=True)
+        stopped = ((responses == stop_token_id) & (attention_mask[:, P:] == 1)).any(1).tolist()
+        return score_texts(reward_model, reward_tokenizer, prompts, texts, stopped, policy_tokenizer)
+
+    return score
 
 
 @torch.inference_mode()
@@ -79,7 +111,8 @@ def make_rollout(
     policy: PreTrainedModel,
     ref_policy: PreTrainedModel | None,
     value_model: PreTrainedModel,
-    reward_model: PreTrainedModel | None,
+    scorer: Scorer,
+    prompts: Sequence[Text],
     queries: torch.Tensor,
     query_mask: torch.Tensor,
     response_length: int,
@@ -90,10 +123,10 @@ def make_rollout(
     generator: torch.Generator,
     chunk_size: int,
 ) -> Rollout:
-    """Sample one response per query (B, P) and evaluate it with reference, critic and reward model in chunks
-    of ``chunk_size``. The policy's log-probabilities come from sampling itself.
+    """Sample one response per query (B, P) of ``prompts`` and evaluate it with reference, critic and reward
+    model (``scorer``) in chunks of ``chunk_size``. The policy's log-probabilities come from sampling itself.
 
-    A ``None`` reference or reward model means: the policy's (critic's) base, with its LoRA adapters disabled.
+    A ``None`` reference means: the policy's base, with its LoRA adapters disabled.
     """
     policy.eval()
     value_model.eval()
@@ -117,8 +150,7 @@ def make_rollout(
         with base_of(policy) if ref_policy is None else nullcontext():
             ref_logprobs.append(response_logprobs(ref_policy or policy, qr, am, P, temperature)[0])
         values.append(response_values(ScalarHead(value_model), qr, am, P))
-        with base_of(value_model) if reward_model is None else nullcontext():
-            scores.append(sequence_scores(reward_model or value_model, qr, am))
+        scores.append(scorer(prompts[i : i + chunk_size], qr, am, P))
     return Rollout(
         query_responses=query_responses,
         attention_mask=attention_mask,

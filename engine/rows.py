@@ -1,27 +1,99 @@
-"""Dataset rows (DESIGN §2), torch-free so the API validates uploads with the very rules the engine reads by."""
+"""Dataset rows, torch-free so the API validates uploads with the very rules the engine reads by.
+
+Each kind takes plain-string rows and TRL's conversational rows (lists of ``{"role", "content"}`` messages,
+https://huggingface.co/docs/trl/dataset_formats):
+
+- ``sft``: ``{"prompt": str, "completion": str}``; ``{"messages": [...]}`` (the loss on every assistant turn);
+  ``{"prompt": [...], "completion": [...]}`` (the loss on the completion's messages).
+- ``rm``: ``{"prompt": str, "chosen": str, "rejected": str}``; the same with message lists; or only
+  ``{"chosen": [...], "rejected": [...]}``, two whole conversations whose common first messages are the prompt.
+- ``ppo``: ``{"prompt": str}`` or ``{"prompt": [...]}`` (rendered with the generation prompt).
+
+Columns beyond these are kept with the row (reward functions may read them).
+"""
 
 import json
+from typing import Any
 
-# Required non-empty string fields of a row, per dataset kind.
+Message = dict[str, str]
+"""One chat message: ``{"role": ..., "content": ...}``."""
+Text = str | list[Message]
+"""A prompt or a completion: plain text, or messages for the tokenizer's chat template."""
+
+# Required fields of a plain row, per dataset kind.
 ROW_FIELDS = {"sft": ("prompt", "completion"), "rm": ("prompt", "chosen", "rejected"), "ppo": ("prompt",)}
+MESSAGE_KEYS = frozenset({"role", "content"})
 
 
 class DatasetError(ValueError):
     """A dataset reference names nothing readable, or a row is malformed."""
 
 
-def validate_row(row: object, kind: str, line: int) -> dict[str, str]:
-    """A row of ``kind``, or a DatasetError naming the line and the field."""
+class ChatTemplateMissingError(DatasetError):
+    """Chat rows, and a tokenizer without a chat template to render them with."""
+
+
+def is_chat(row: dict[str, Any]) -> bool:
+    """Whether a valid row holds messages rather than plain strings."""
+    return "messages" in row or isinstance(row.get("prompt", row.get("chosen")), list)
+
+
+def validate_row(row: object, kind: str, line: int) -> dict[str, Any]:
+    """A row of ``kind`` (extra columns kept), or a DatasetError naming the line and the field."""
     if not isinstance(row, dict):
         raise DatasetError(f"line {line}: expected a JSON object, got {type(row).__name__}")
-    for field in ROW_FIELDS[kind]:
+    if kind == "sft" and "messages" in row:
+        messages = _messages(row["messages"], line, "messages")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DatasetError(f"line {line}: field 'messages' has no assistant message to train on")
+        return row
+    if kind == "rm" and "prompt" not in row and isinstance(row.get("chosen"), list):
+        split_prompt(row, line)  # the implicit-prompt form
+        return row
+    fields = ROW_FIELDS[kind]
+    if isinstance(row.get("prompt"), list):  # conversational: every field a list of messages
+        for field in fields:
+            _messages(row.get(field), line, field)
+        for field in fields[1:]:
+            if row[field][-1]["role"] != "assistant":
+                raise DatasetError(f"line {line}: field {field!r} must end with an assistant message")
+        return row
+    for field in fields:
         value = row.get(field)
         if not isinstance(value, str) or not value:
-            raise DatasetError(f"line {line}: field {field!r} must be a non-empty string")
-    return {field: row[field] for field in ROW_FIELDS[kind]}
+            raise DatasetError(f"line {line}: field {field!r} must be a non-empty string (or a list of messages)")
+    return row
 
 
-def parse_line(text: str, kind: str, line: int) -> dict[str, str]:
+def split_prompt(row: dict[str, Any], line: int = 0) -> tuple[list[Message], list[Message], list[Message]]:
+    """(prompt, chosen, rejected) of an implicit-prompt preference row: the prompt is the messages the two
+    conversations share from the start (as TRL's ``extract_prompt``); each keeps at least its last message."""
+    chosen = _messages(row.get("chosen"), line, "chosen")
+    rejected = _messages(row.get("rejected"), line, "rejected")
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+        shared += 1
+    for field, messages in (("chosen", chosen), ("rejected", rejected)):
+        if messages[-1]["role"] != "assistant":
+            raise DatasetError(f"line {line}: field {field!r} must end with an assistant message")
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
+def _messages(value: object, line: int, field: str) -> list[Message]:
+    if not isinstance(value, list) or not value:
+        raise DatasetError(f"line {line}: field {field!r} must be a non-empty list of messages")
+    for i, message in enumerate(value):
+        if (
+            not isinstance(message, dict)
+            or message.keys() != MESSAGE_KEYS
+            or not all(isinstance(message[k], str) for k in MESSAGE_KEYS)
+            or not message["role"]
+        ):
+            raise DatasetError(f'line {line}: field {field!r} item {i} must be {{"role": str, "content": str}}')
+    return value
+
+
+def parse_line(text: str, kind: str, line: int) -> dict[str, Any]:
     """One JSONL line as a row of ``kind``."""
     try:
         row = json.loads(text)

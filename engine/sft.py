@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from engine.callbacks import Callbacks
 from engine.config import JobSpec, SFTConfig
-from engine.data import batch_indices, encode_sft_batch, load_rows
+from engine.data import batch_indices, encode_sft_batch, load_rows, require_chat_template
 from engine.distributed import Ranks
 from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
 from engine.models import check_fits, lm_logits, load_causal_lm, load_tokenizer, prepare
@@ -49,6 +49,8 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
 
     # 2. model, optimizer and schedule, restored from the last checkpoint when there is one
     tokenizer = load_tokenizer(spec.model)
+    require_chat_template(tokenizer, rows, "dataset")
+    require_chat_template(tokenizer, eval_rows, "eval_dataset")
     run = Run(spec, out_dir, callbacks, tokenizer, ranks)
 
     def causal_lm(ref: str) -> PreTrainedModel:

@@ -7,7 +7,7 @@ import logging
 import threading
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -17,10 +17,8 @@ from sqlalchemy.orm import Session
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine import generate as engine_generate
-from engine.data import encode_prompts, pad_right
 from engine.models import (
     ModelNotFoundError,
-    context_length,
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
@@ -28,7 +26,8 @@ from engine.models import (
     prepare,
     resolve_model_ref,
 )
-from engine.rollout import sequence_scores
+from engine.reward import score_texts
+from engine.rows import Text
 from jobs.store import crud, refs
 from jobs.store.db import session_scope
 from jobs.store.settings import Settings
@@ -102,7 +101,7 @@ class Loaded:
 
 policies: LRUCache[tuple[str, int], Loaded] = LRUCache(2)
 """Policies by (job id, checkpoint step)."""
-reward_models: LRUCache[tuple[str, int], PreTrainedModel] = LRUCache(2)
+reward_models: LRUCache[tuple[str, int], Loaded] = LRUCache(2)
 """Reward models by (model directory or reference, seed)."""
 
 
@@ -207,25 +206,31 @@ def _generate(
 ) -> dict[str, Any]:
     device = pick_device()
     policy = policies.get((request.job_id, request.step), lambda: _load_policy(request, device))
-    if messages is not None:
-        prompts = [chat_prompt(policy.tokenizer, messages, request.job_id, request.step)]
-    out, usage = complete(
-        policy.model, policy.tokenizer, prompts, max_new_tokens, temperature, top_p, seed, n, stop or []
-    )
+    batch: list[Text] = list(prompts)
+    if messages is not None:  # sampled after the messages as training encodes a chat prompt
+        rendered = chat_prompt(policy.tokenizer, messages, request.job_id, request.step)
+        batch = [messages]
+    out, usage = complete(policy.model, policy.tokenizer, batch, max_new_tokens, temperature, top_p, seed, n, stop)
     if request.reward_model is not None:
         ref = request.reward_model
-        reward_model = reward_models.get(
-            (ref, request.seed), lambda: _load_reward_model(ref, policy.tokenizer, request, device)
-        )
+        reward_model = reward_models.get((ref, request.seed), lambda: _load_reward_model(ref, request, device))
         texts = [row["text"] for row in out]
-        rows_prompts = [row["prompt"] for row in out]
-        for row, value in zip(out, score_texts(reward_model, policy.tokenizer, rows_prompts, texts), strict=True):
-            row["score"] = value
+        stopped = [row["finish_reason"] == "stop" for row in out]
+        rows_prompts = [prompt for prompt in batch for _ in range(n)]
+        scores = score_texts(
+            reward_model.model, reward_model.tokenizer, rows_prompts, texts, stopped, policy.tokenizer
+        ).tolist()
+        for row, value in zip(out, scores, strict=True):
+            row["score"] = float(value)
+    if messages is not None:
+        for row in out:
+            row["prompt"] = rendered
     return {"checkpoint": request.step, "completions": out, "usage": usage}
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], job_id: str, step: int) -> str:
-    """The conversation as the tokenizer's chat template writes it, ending with the assistant's turn."""
+    """The conversation as the tokenizer's chat template writes it, ending with the assistant's turn (what the
+    policy is sampled after); a template that cannot render the messages is a GenerateError."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateMissing(
             f"model job:{job_id}@{step} has no chat template (its tokenizer defines none), so it cannot take chat "
@@ -243,7 +248,7 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str
 def complete(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    prompts: list[str],
+    prompts: Sequence[Text],
     max_new_tokens: int,
     temperature: float,
     top_p: float,
@@ -316,6 +321,7 @@ def _lookup(session: Session, job_id: str, step: int | None, score: bool, settin
                 spec=job.spec,
                 artifacts=settings.resolved_artifacts_dir,
                 model_root=settings.model_root,
+                hub_downloads=settings.hub_downloads,
             )
             reward_model = resolve_model_ref(resolved["reward_model"])
         except (refs.SpecReferenceError, ModelNotFoundError) as e:
@@ -339,30 +345,10 @@ def _load_policy(request: _Request, device: torch.device) -> Loaded:
     return Loaded(model, tokenizer)
 
 
-def _load_reward_model(
-    ref: str, tokenizer: PreTrainedTokenizerBase, request: _Request, device: torch.device
-) -> PreTrainedModel:
-    """The reward model as PPO loads it: through the policy's tokenizer and the job's seed."""
+def _load_reward_model(ref: str, request: _Request, device: torch.device) -> Loaded:
+    """The reward model with its own tokenizer (texts are scored as PPO scores them, :func:`score_texts`)."""
     log.info("loading reward model %s", ref)
-    model = prepare(load_scalar_model(ref, tokenizer, request.seed), device, request.dtype, False)
+    tokenizer = load_tokenizer(ref)
+    model = prepare(load_scalar_model(ref, tokenizer, request.seed, trained_head=True), device, request.dtype, False)
     model.eval()
-    return model
-
-
-@torch.inference_mode()
-def score_texts(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], completions: list[str]
-) -> list[float]:
-    """Reward of each prompt + completion + EOS, read at the EOS as in PPO rollouts (left-padded prompts
-    followed by right-padded completions). Over-long texts lose the start of the prompt."""
-    limit = context_length(model) or 1_000_000
-    completion_ids = [
-        [*tokenizer(text, add_special_tokens=False)["input_ids"][: limit - 2], tokenizer.eos_token_id]
-        for text in completions
-    ]
-    responses, response_mask = pad_right(completion_ids, tokenizer.pad_token_id)  # (B, T)
-    queries, query_mask = encode_prompts(tokenizer, prompts, limit - responses.shape[1])  # (B, P)
-    device = next(model.parameters()).device
-    input_ids = torch.cat([queries, responses], dim=1).to(device)  # (B, P + T)
-    attention_mask = torch.cat([query_mask, response_mask], dim=1).to(device)  # (B, P + T)
-    return [float(s) for s in sequence_scores(model, input_ids, attention_mask).tolist()]
+    return Loaded(model, tokenizer)

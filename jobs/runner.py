@@ -39,6 +39,7 @@ from engine.data import DatasetError
 from engine.health import TrainingCollapseError
 from engine.loop import NonFiniteLossError
 from engine.models import ModelNotFoundError
+from engine.rows import ChatTemplateMissingError
 from engine.run import run_job as run_engine
 from jobs.distributed import RankFailure, run_distributed
 from jobs.store import crud, refs
@@ -307,6 +308,8 @@ class LeaseRenewer:
 
 def error_code(error: BaseException) -> str:
     """The job's ``error_code`` for an exception out of the engine."""
+    if isinstance(error, ChatTemplateMissingError):
+        return "chat_template_missing"  # chat rows, and a tokenizer without a chat template
     if isinstance(error, DatasetError):
         return "dataset_invalid"
     if isinstance(error, ModelNotFoundError) or (isinstance(error, OSError) and _raised_in_from_pretrained(error)):
@@ -428,6 +431,7 @@ def _resolved_spec(session: Session, job_id: str, settings: Settings) -> JobSpec
         spec=job.spec,
         artifacts=settings.resolved_artifacts_dir,
         model_root=settings.model_root,
+        hub_downloads=settings.hub_downloads,
     )
     return JobSpec.model_validate(resolved)
 

@@ -13,6 +13,7 @@ import re
 import socket
 import time
 
+from huggingface_hub import constants as hub_constants
 from sqlalchemy.exc import IntegrityError, OperationalError
 from transformers.utils import logging as hf_logging
 
@@ -65,6 +66,17 @@ def declare_queues(queues: list[str], tries: int = 3) -> None:
             time.sleep(0.2 * attempt)
 
 
+def keep_off_the_hub(settings: Settings) -> None:
+    """Unless ``settings.hub_downloads``, this worker and the processes it starts (torchrun) never download: a
+    hub id loads from the Hugging Face cache, or fails at once. huggingface_hub reads ``HF_HUB_OFFLINE`` into
+    its constants when imported, which this process has done already (with transformers): its constant is set
+    as well, and huggingface_hub, transformers and peft read that one at each call."""
+    if settings.hub_downloads:
+        return
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    hub_constants.HF_HUB_OFFLINE = True
+
+
 def start_worker(
     queues: list[str], settings: Settings | None = None, concurrency: int = 1, loglevel: str = "INFO"
 ) -> None:
@@ -76,6 +88,7 @@ def start_worker(
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     hf_logging.disable_progress_bar()  # tqdm bars would reach the log as warnings, one per checkpoint
+    keep_off_the_hub(settings)
     tasks.configure(settings)
     declare_queues(queues)
     celery_app.worker_main(argv)

@@ -8,7 +8,7 @@ from typing import Annotated, BinaryIO
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
 
-from api.datasets import InvalidFile, count_rows
+from api.datasets import InvalidFile, summarize
 from api.deps import CurrentProject, SessionDep, SettingsDep
 from api.errors import ApiError, error_responses, not_found
 from api.schemas import ID_PATTERN, FilePublic, FilesPublic, Purpose, looks_like_id
@@ -25,7 +25,10 @@ def upload_file(
     file: Annotated[UploadFile, File(description="JSONL, one JSON object per line (blank lines are skipped).")],
     purpose: Annotated[
         Purpose,
-        Form(description="Row kind: `sft` {prompt, completion}, `rm` {prompt, chosen, rejected}, `ppo` {prompt}."),
+        Form(
+            description="Row kind: `sft` {prompt, completion} or {messages}, `rm` {prompt, chosen, rejected} (or only "
+            "chosen and rejected conversations), `ppo` {prompt}; texts are strings or lists of chat messages."
+        ),
     ],
 ) -> FilePublic:
     """Upload a dataset. A bad line (not JSON, not UTF-8, a wrong field, longer than the line limit) is rejected
@@ -39,7 +42,7 @@ def upload_file(
             413, "file_too_large", f"the file has {size} bytes; the limit is {settings.max_upload_bytes}", param="file"
         )
     try:
-        rows = count_rows(stream, purpose, settings.max_line_bytes)
+        summary = summarize(stream, purpose, settings.max_line_bytes)
     except InvalidFile as e:
         raise ApiError(422, "invalid_file", str(e), param="file") from None
     stream.seek(0)
@@ -56,7 +59,8 @@ def upload_file(
             filename=_filename(file.filename),
             purpose=purpose,
             size=size,
-            rows=rows,
+            rows=summary.rows,
+            chat=summary.chat,
             path=relative.as_posix(),
         )
         session.commit()

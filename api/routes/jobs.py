@@ -105,6 +105,7 @@ def create_job(
             spec=spec,
             artifacts=settings.resolved_artifacts_dir,
             model_root=settings.model_root,
+            hub_downloads=settings.hub_downloads,
         )
     except SpecReferenceError as e:
         raise ApiError(422, e.code, e.message, param=e.param) from None

@@ -77,9 +77,27 @@ def project_for_key(session: Session, *, key: str) -> Project | None:
 
 
 def create_file(
-    session: Session, *, file_id: str, project_id: str, filename: str, purpose: str, size: int, rows: int, path: str
+    session: Session,
+    *,
+    file_id: str,
+    project_id: str,
+    filename: str,
+    purpose: str,
+    size: int,
+    rows: int,
+    path: str,
+    chat: bool = False,
 ) -> File:
-    row = File(id=file_id, project_id=project_id, filename=filename, purpose=purpose, bytes=size, rows=rows, path=path)
+    row = File(
+        id=file_id,
+        project_id=project_id,
+        filename=filename,
+        purpose=purpose,
+        bytes=size,
+        rows=rows,
+        chat=chat,
+        path=path,
+    )
     session.add(row)
     session.flush()
     return row

@@ -6,6 +6,7 @@ from typing import Any, ClassVar
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -14,6 +15,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -65,6 +67,8 @@ class File(Base):
     """Row kind: sft, rm or ppo."""
     bytes: Mapped[int] = mapped_column(BigInteger)
     rows: Mapped[int] = mapped_column(Integer)
+    chat: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    """Whether any row holds chat messages (then the model's tokenizer needs a chat template)."""
     path: Mapped[str] = mapped_column(Text)
     """Location relative to the artifacts folder."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

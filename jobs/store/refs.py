@@ -4,10 +4,13 @@ queued; the worker calls it again to get the paths. Torch-free.
 
 What a spec may name on the server:
 
-- models: ``builtin:…``, ``job:<id>[@<step>]`` of the caller's project, a hub id (``name`` or ``org/name``,
-  and nothing of that name in the server's working folder), or a folder inside ``Settings.model_root``
-  (absolute, or relative to the root). A path with ``..`` or ``~``, one outside the root, one whose symlinks
-  lead out of it, and any local path when no root is configured, are refused (``local_path_refused``).
+- models: ``builtin:…``, ``job:<id>[@<step>]`` of the caller's project, a folder inside ``Settings.model_root``
+  (absolute, or relative to the root: a name that exists under the root is that folder), or a hub id (``name``
+  or ``org/name``, and nothing of that name under the root or in the server's working folder). A path with
+  ``..`` or ``~``, one outside the root, one whose symlinks lead out of it, and any local path when no root is
+  configured, are refused (``local_path_refused``). A hub id is accepted when ``Settings.hub_downloads`` lets
+  the workers download it, or when it is in the Hugging Face cache this process sees (which the workers are to
+  share); otherwise it is refused (``hub_model_unavailable``), since the workers run with ``HF_HUB_OFFLINE=1``.
 - datasets: ``builtin:…`` and ``file-<id>`` of the caller's project only; the ``.jsonl`` paths the local
   ``rlhf train`` reads are refused: the server reads no file a client names.
 """
@@ -17,15 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import try_to_load_from_cache
 from sqlalchemy.orm import Session
 
+from engine.hub import is_hub_id
+from engine.model_refs import ModelNotFoundError, chat_template_saved, resolve_model_ref
 from jobs.store import crud
 
 _JOB_REF = re.compile(r"^job:([A-Za-z0-9_-]+)(?:@(\d+))?$")
 _MAX_STEP = 2**31 - 1
 _FILE_ID = re.compile(r"^file-[A-Za-z0-9_-]+$")
-# Hugging Face hub ids: ``name`` or ``org/name`` of letters, digits, ``-``, ``_`` and ``.``, no ``..`` or ``--``.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
 
 # Which job types may feed which spec field.
 MODEL_SOURCES = {"sft": ("sft", "ppo"), "rm": ("sft", "ppo", "rm"), "ppo": ("sft", "ppo")}
@@ -37,7 +41,8 @@ class SpecReferenceError(ValueError):
     """The spec field, e.g. ``model`` or ``hyperparameters.ptx_dataset``."""
     code: str
     """``job_not_found``, ``job_not_succeeded``, ``checkpoint_not_found``, ``wrong_job_type``,
-    ``file_not_found``, ``wrong_file_purpose`` or ``local_path_refused``."""
+    ``file_not_found``, ``wrong_file_purpose``, ``local_path_refused``, ``hub_model_unavailable`` or
+    ``chat_template_missing``."""
     message: str
 
     def __str__(self) -> str:
@@ -49,15 +54,16 @@ def job_dir(artifacts: Path, job_id: str) -> Path:
 
 
 def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], artifacts: Path,
-                 model_root: Path | None) -> dict[str, Any]:  # fmt: skip
-    """A copy of ``spec`` with every service reference replaced by a path; raises SpecReferenceError."""
+                 model_root: Path | None, hub_downloads: bool = False) -> dict[str, Any]:  # fmt: skip
+    """A copy of ``spec`` with every service reference replaced by a path; raises SpecReferenceError.
+    ``model_root`` and ``hub_downloads`` are the settings of the same names."""
     resolved = {**spec, "hyperparameters": dict(spec.get("hyperparameters", {}))}
     job_type = spec["type"]
     resolved["model"] = _model(session, project_id, "model", spec["model"], MODEL_SOURCES[job_type], artifacts,
-                               model_root)  # fmt: skip
+                               model_root, hub_downloads)  # fmt: skip
     if spec.get("reward_model"):
         resolved["reward_model"] = _model(
-            session, project_id, "reward_model", spec["reward_model"], ("rm",), artifacts, model_root
+            session, project_id, "reward_model", spec["reward_model"], ("rm",), artifacts, model_root, hub_downloads
         )
     for field in ("dataset", "eval_dataset"):
         if spec.get(field):
@@ -67,19 +73,50 @@ def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], art
         resolved["hyperparameters"]["ptx_dataset"] = _dataset(
             session, project_id, "hyperparameters.ptx_dataset", ptx, "sft", artifacts
         )
+    _check_chat_template(session, project_id, spec, resolved["model"])
     return resolved
+
+
+def _check_chat_template(session: Session, project_id: str, spec: dict[str, Any], model: str) -> None:
+    """Chat datasets need a model whose tokenizer has a chat template: refused here when the model's tokenizer
+    is at hand (built-in, a job's or a folder's, a cached hub model); otherwise the worker finds out."""
+    fields = {"dataset": spec.get("dataset"), "eval_dataset": spec.get("eval_dataset"),
+              "hyperparameters.ptx_dataset": spec.get("hyperparameters", {}).get("ptx_dataset")}  # fmt: skip
+    for param, ref in fields.items():
+        file = crud.get_file(session, file_id=ref, project_id=project_id) if ref and _FILE_ID.match(ref) else None
+        if file is not None and file.chat and _has_chat_template(model) is False:
+            raise SpecReferenceError(
+                param,
+                "chat_template_missing",
+                f"{ref} holds chat messages, and the tokenizer of {spec['model']!r} has no chat template to render "
+                "them with; upload plain-text rows, or train a model whose tokenizer has a chat template",
+            )
+
+
+def _has_chat_template(model: str) -> bool | None:
+    """Whether the resolved ``model``'s tokenizer has a chat template; None when it cannot be told here."""
+    if model.startswith("builtin:"):
+        return False  # the built-in tokenizer has none
+    if is_hub_id(model):
+        config = try_to_load_from_cache(model, "tokenizer_config.json")
+        return chat_template_saved(Path(config).parent) if isinstance(config, str) else None
+    try:
+        return chat_template_saved(Path(resolve_model_ref(model)))
+    except (ModelNotFoundError, OSError, ValueError):
+        return None
 
 
 def _model(
     session: Session, project_id: str, param: str, ref: str, sources: tuple[str, ...], artifacts: Path,
-    model_root: Path | None,
+    model_root: Path | None, hub_downloads: bool,
 ) -> str:  # fmt: skip
     if ref.startswith("builtin:"):
         return ref
     match = _JOB_REF.match(ref)
     if match is None:
-        if _is_hub_id(ref):
-            return ref
+        # A name that exists under the model root is that folder, even one shaped like a hub id.
+        if is_hub_id(ref) and not (model_root is not None and (model_root.resolve() / ref).exists()):
+            return _hub_model(param, ref, hub_downloads)
         return _local_path(param, ref, model_root)
     job_id, step = match.group(1), match.group(2)
     job = crud.get_job(session, job_id=job_id, project_id=project_id)
@@ -101,12 +138,24 @@ def _model(
     return str(job_dir(artifacts, job_id))
 
 
-def _is_hub_id(ref: str) -> bool:
-    """A hub id, which transformers would not mistake for a folder of this machine: from_pretrained loads a
-    local folder of that name first, so a hub-id-shaped name that exists here counts as a local path."""
-    if not _HUB_ID.match(ref) or ".." in ref or "--" in ref:
-        return False
-    return not Path(ref).exists()
+def _hub_model(param: str, ref: str, hub_downloads: bool) -> str:
+    """A hub id the workers can load: they may download it, or it is in the Hugging Face cache (HF_HOME)."""
+    if hub_downloads:
+        return ref
+    try:
+        cached = try_to_load_from_cache(ref, "config.json")
+    except ValueError:  # an id huggingface_hub refuses (HFValidationError): it cannot be in the cache either
+        cached = None
+    if isinstance(cached, str):
+        return ref
+    raise SpecReferenceError(
+        param,
+        "hub_model_unavailable",
+        f"{ref!r} is a Hugging Face hub id that is not in this server's cache, and its workers do not download "
+        "models (they run with HF_HUB_OFFLINE=1): put the model in the cache the workers share (HF_HOME) or in a "
+        "folder under the model root (RLHF_MODEL_ROOT), or set RLHF_HUB_DOWNLOADS=true where the workers have a "
+        "network",
+    )
 
 
 def _local_path(param: str, ref: str, model_root: Path | None) -> str:

@@ -28,6 +28,10 @@ class Settings(BaseSettings):
     ``data_dir/artifacts``."""
     model_root: Path | None = None
     """Local model folders a job spec may name (paths under this root); None: local paths are refused."""
+    hub_downloads: bool = False
+    """Let workers download hub ids (``org/name``) from the Hugging Face hub: only where they have a network.
+    Off: workers run with ``HF_HUB_OFFLINE=1``, and a job naming a hub id is accepted only when the model is in
+    the Hugging Face cache the API sees (``HF_HOME``, to be shared with the workers), else refused at submit."""
     lease_seconds: int = 120
     """How long a training worker's claim on a job lasts without a heartbeat."""
     max_attempts: int = 3

@@ -22,6 +22,7 @@ from jobs.store.db import engine_for, session_scope
 from jobs.store.migrate import upgrade
 from jobs.store.models import JOB_STATUSES, Job
 from jobs.store.settings import Settings
+from tests.hf_cache import use_cache
 from tests.services import postgres_database
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
@@ -62,6 +63,7 @@ def make_settings(data_dir: Path, database_url: str, **overrides: Any) -> Settin
         "result_backend_url": None,
         "artifacts_dir": data_dir / "artifacts",
         "model_root": None,
+        "hub_downloads": False,
         **overrides,
     }
     return Settings(**values)
@@ -70,6 +72,12 @@ def make_settings(data_dir: Path, database_url: str, **overrides: Any) -> Settin
 @pytest.fixture
 def settings(tmp_path: Path, database_url: str) -> Settings:
     return make_settings(tmp_path, database_url)
+
+
+@pytest.fixture
+def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty Hugging Face cache for this test (fill it with ``tests.hf_cache.put_in_cache``)."""
+    return use_cache(monkeypatch, tmp_path / "hf-cache")
 
 
 @dataclass

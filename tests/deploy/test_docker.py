@@ -209,6 +209,8 @@ def test_the_rlhf_services_share_settings_and_artifacts(config: dict[str, Any]) 
     for name in ("api", "train-worker", "inference-worker", "train-worker-4gpu"):
         mounts = {(v["source"], v["target"]) for v in config["services"][name]["volumes"] if v["type"] == "volume"}
         assert ("artifacts", str(settings.artifacts_dir)) in mounts, name
+        assert ("hf-cache", "/data/hf-cache") in mounts, name  # the HF_HOME of both images
+    assert settings.hub_downloads is False  # workers stay off the hub unless docker/.env says otherwise
 
 
 # --- Dockerfiles -------------------------------------------------------------------------------

@@ -33,6 +33,47 @@ GOOD_SFT = [
 ]
 
 
+USER = {"role": "user", "content": "Finish this review: the film was"}
+GOOD = {"role": "assistant", "content": "great fun ."}
+BAD = {"role": "assistant", "content": "dull ."}
+
+
+@pytest.mark.parametrize(
+    ("row", "kind"),
+    [
+        ({"messages": [{"role": "system", "content": "Be brief."}, USER, GOOD, USER, BAD]}, "sft"),
+        ({"prompt": [USER], "completion": [GOOD]}, "sft"),
+        ({"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]}, "rm"),
+        ({"chosen": [USER, GOOD], "rejected": [USER, BAD]}, "rm"),
+        ({"prompt": [USER]}, "ppo"),
+        ({"prompt": [USER], "answer": "42", "tags": ["a"]}, "ppo"),
+    ],
+)
+def test_conversational_rows_of_every_kind_load_with_their_extra_columns(row, kind):
+    assert parse_jsonl([json.dumps(row)], kind) == [row]
+
+
+@pytest.mark.parametrize(
+    ("row", "kind", "expected"),
+    [
+        ({"messages": [USER]}, "sft", "no assistant message"),
+        ({"messages": []}, "sft", "'messages'"),
+        ({"messages": [{"role": "user"}]}, "sft", "field 'messages' item 0"),
+        ({"messages": [{"role": "user", "content": 3}]}, "sft", "field 'messages' item 0"),
+        ({"messages": [{"role": "user", "content": "a", "name": "x"}]}, "sft", "field 'messages' item 0"),
+        ({"prompt": [USER], "completion": "great"}, "sft", "'completion'"),
+        ({"prompt": [USER], "completion": [USER]}, "sft", "must end with an assistant message"),
+        ({"prompt": [USER], "chosen": [GOOD], "rejected": "dull"}, "rm", "'rejected'"),
+        ({"chosen": [USER, GOOD], "rejected": [USER]}, "rm", "'rejected' must end with an assistant message"),
+        ({"prompt": []}, "ppo", "'prompt'"),
+    ],
+)
+def test_bad_conversational_rows_are_named(row, kind, expected):
+    with pytest.raises(DatasetError) as info:
+        parse_jsonl([json.dumps(row)], kind)
+    assert str(info.value).startswith("line 1:") and expected in str(info.value), info.value
+
+
 @pytest.mark.parametrize(
     ("bad_line", "kind", "expected"),
     [
@@ -74,7 +115,7 @@ def test_good_file_loads(tmp_path):
     rows = load_rows(str(path), "sft")
     assert rows == [
         {"prompt": "we watched the film and it was", "completion": " great ."},
-        {"prompt": "i streamed this drama and it was", "completion": " dull ."},  # unknown fields dropped
+        {"prompt": "i streamed this drama and it was", "completion": " dull .", "extra": 1},  # extra columns kept
     ]
 
 

@@ -106,6 +106,12 @@ def test_small_kl_and_full_length_from_the_start_raise_nothing() -> None:
     assert feed(CollapseMonitor(max_length=8), steps) == []
 
 
+def test_responses_near_the_cap_from_the_start_reaching_it_raise_nothing() -> None:
+    # every step close to the maximum (a tiny model that rarely stops), then one step with all of them at it
+    steps = [{"response/length_mean": 15.81 + 0.01 * (i % 3)} for i in range(10)] + [{"response/length_mean": 16.0}]
+    assert feed(CollapseMonitor(max_length=16), steps) == []
+
+
 def test_a_threshold_of_none_turns_its_signal_off() -> None:
     steps = demo_steps()[:20]
     steps[14] = steps[14] | {"objective/kl": 6.0, "objective/scores": 15.0}

@@ -15,6 +15,7 @@ from engine.ops import (
     masked_var,
     masked_whiten,
     position_ids_from_mask,
+    reward_index,
     truncate_after_stop,
 )
 
@@ -238,3 +239,18 @@ def test_last_valid_index():
     expected = [max(t for t, m in enumerate(row) if m) for row in mask.tolist()]
     out = last_valid_index(mask)
     assert out.tolist() == expected == [3, 5, 0, 5, 4]
+
+
+@pytest.mark.parametrize("pad", [None, 0, 2])
+def test_reward_index_is_the_last_valid_non_pad_token(pad):
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 4, (64, 7), generator=generator)  # (B, T), pad id 0 or 2 appears often
+    attention_mask = (torch.rand(64, 7, generator=generator) > 0.3).long()
+    attention_mask[0] = 0
+    attention_mask[0, 3] = 1  # a row of one valid token
+    expected = []
+    for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+        valid = [t for t in range(7) if mask[t]]
+        readable = [t for t in valid if ids[t] != pad]
+        expected.append(readable[-1] if readable else (valid[-1] if valid else -1))
+    assert reward_index(input_ids, attention_mask, pad).tolist() == expected

@@ -151,10 +151,15 @@ PPO_STEPS = 200
 # An adaptive KL controller with a one-rollout horizon multiplies β by up to 1 + 0.2·16 per step: it passes
 # 1e19 after some thirty steps, the returns' squares overflow float32 and the value loss is infinite. The
 # weights stay sound (they move by at most the learning rate per step): the checkpoints before are good.
+REWARD_MODEL = {
+    "type": "rm",
+    "model": "builtin:tiny",
+    "dataset": "builtin:reviews-prefs",
+    "hyperparameters": {"max_steps": 2, "batch_size": 8},
+}
 DIVERGING_PPO = {
     "type": "ppo",
     "model": "builtin:tiny",
-    "reward_model": "builtin:tiny",
     "dataset": "builtin:reviews-prompts",
     "hyperparameters": {
         "total_steps": PPO_STEPS,
@@ -174,7 +179,9 @@ DIVERGING_PPO = {
 
 def test_non_finite_loss_fails_the_job_and_keeps_the_last_good_checkpoint(server: Server) -> None:
     c = server.client
-    job_id = c.create_job(DIVERGING_PPO)["id"]
+    rm_id = c.create_job(REWARD_MODEL)["id"]
+    assert server.finished(rm_id, 120)["status"] == "succeeded"
+    job_id = c.create_job({**DIVERGING_PPO, "reward_model": f"job:{rm_id}"})["id"]
     job = server.finished(job_id, 240)
 
     assert job["status"] == "failed", job

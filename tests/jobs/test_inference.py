@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from engine.models import resolve_model_ref
+from engine.reward import score_texts
 from jobs import inference, runner
 from jobs.inference import GenerateError, LRUCache
 from jobs.store.settings import Settings
@@ -110,15 +111,16 @@ def test_scores_come_from_the_ppo_jobs_reward_model(trained: Trained) -> None:
 def test_scores_do_not_depend_on_the_batch(trained: Trained) -> None:
     """Padding invariance: a text scores the same alone as next to longer and shorter ones."""
     inference.generate(trained.ppo, None, PROMPTS[:1], max_new_tokens=2, score=True, settings=trained.settings)
-    policy = inference.policies.get((trained.ppo, 2), lambda: pytest.fail("the policy is not cached"))
     rm_dir = resolve_model_ref(str(trained.settings.resolved_artifacts_dir / "jobs" / trained.rm))
     reward_model = inference.reward_models.get((rm_dir, 0), lambda: pytest.fail("the reward model is not cached"))
     texts = ["great", "slow and rude, never again, the worst evening of the year", ""]
 
-    batch = inference.score_texts(reward_model, policy.tokenizer, PROMPTS, texts)
+    stopped = [True, False, True]
 
-    for prompt, text, expected in zip(PROMPTS, texts, batch, strict=True):
-        [single] = inference.score_texts(reward_model, policy.tokenizer, [prompt], [text])
+    batch = score_texts(reward_model.model, reward_model.tokenizer, PROMPTS, texts, stopped).tolist()
+
+    for prompt, text, done, expected in zip(PROMPTS, texts, stopped, batch, strict=True):
+        [single] = score_texts(reward_model.model, reward_model.tokenizer, [prompt], [text], [done]).tolist()
         assert single == pytest.approx(expected, abs=1e-5)
     assert len(set(batch)) == 3
 

@@ -16,10 +16,12 @@ from engine.data import DatasetError
 from engine.health import TrainingCollapseError
 from engine.loop import NonFiniteLossError
 from engine.models import ModelNotFoundError
+from engine.rows import ChatTemplateMissingError
 from jobs import runner
 from jobs.store import crud, db
 from jobs.store.models import utcnow
 from jobs.store.settings import Settings
+from tests.hf_cache import use_cache
 from tests.jobs.conftest import (
     checkpoint_steps,
     create_job,
@@ -292,6 +294,22 @@ def test_an_unknown_local_model_fails_with_model_not_found(sqlite_url: str, tmp_
     assert get_job(settings, job_id).error_code == "model_not_found"
 
 
+def test_a_hub_id_the_worker_does_not_have_fails_at_once(
+    sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Accepted while the API's cache had it, gone from the worker's: it fails before anything loads.
+    use_cache(monkeypatch, tmp_path / "hf-cache")
+    settings = make_settings(sqlite_url, tmp_path, hub_downloads=False)
+    job_id = create_job(settings, new_project(settings), sft_spec(model="org/not-cached"))
+
+    start = time.monotonic()
+    assert runner.run_job(job_id, settings=settings, worker="w:1") == "failed"
+    assert time.monotonic() - start < 10
+    job = get_job(settings, job_id)
+    assert job.error_code == "invalid_spec"
+    assert job.error_message is not None and "RLHF_HUB_DOWNLOADS" in job.error_message
+
+
 def test_a_job_reference_to_an_unfinished_job_fails_with_invalid_spec(sqlite_settings: Settings) -> None:
     settings = sqlite_settings
     project_id = new_project(settings)
@@ -321,6 +339,10 @@ def raised(f: Callable[[], None]) -> BaseException:
     ("error", "code"),
     [
         (DatasetError("line 3: field 'prompt' must be a non-empty string"), "dataset_invalid"),
+        (
+            ChatTemplateMissingError("dataset: the rows are chat messages, and ... no chat template"),
+            "chat_template_missing",
+        ),
         (ModelNotFoundError("cannot load 'x'"), "model_not_found"),
         (raised(from_pretrained), "model_not_found"),
         (NonFiniteLossError("loss/sft is nan at step 3"), "non_finite_loss"),

@@ -11,13 +11,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import redis
+from huggingface_hub import constants as hub_constants
 
 from jobs.celery_app import GENERATE_TASK, RUN_JOB_TASK, make_celery
 from jobs.store import crud, db
 from jobs.store.settings import Settings
-from jobs.worker import worker_argv
+from jobs.worker import keep_off_the_hub, worker_argv
 from tests.jobs.conftest import REDIS_URL, create_job, get_job, make_settings, new_project, sft_spec
 from tests.services import unavailable
 
@@ -131,3 +133,16 @@ def test_worker_arguments() -> None:
         worker_argv(["GPU queue"])
     with pytest.raises(ValueError, match="queues"):
         worker_argv([])
+
+
+@pytest.mark.parametrize("hub_downloads", [False, True])
+def test_a_worker_downloads_from_the_hub_only_when_allowed(
+    monkeypatch: pytest.MonkeyPatch, hub_downloads: bool
+) -> None:
+    # huggingface_hub is imported already (transformers, at the top of jobs/worker.py): the variable is for the
+    # processes the worker starts (torchrun), the constant for this one.
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    keep_off_the_hub(Settings(hub_downloads=hub_downloads))
+    assert huggingface_hub.is_offline_mode() is not hub_downloads
+    assert os.environ.get("HF_HUB_OFFLINE") == (None if hub_downloads else "1")

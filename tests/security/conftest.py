@@ -7,6 +7,7 @@ from tests.api.conftest import (  # noqa: F401  (pytest finds fixtures by name i
     client,
     database_url,
     db,
+    hf_cache,
     postgresql_url,
     project,
     settings,

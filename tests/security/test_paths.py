@@ -14,6 +14,7 @@ from jobs.store import refs
 from jobs.store.db import session_scope
 from jobs.store.settings import Settings
 from tests.api.conftest import PPO_SPEC, SFT_SPEC, Calls, Project, error_of, make_settings
+from tests.hf_cache import put_in_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,10 +90,12 @@ def test_local_paths_are_refused_without_a_root(client: TestClient, calls: Calls
 
 
 def test_a_hub_id_must_not_name_a_local_folder(
-    client: TestClient, settings: Settings, layout: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    client: TestClient, settings: Settings, layout: dict[str, Path], monkeypatch: pytest.MonkeyPatch, hf_cache: Path
 ) -> None:
     # transformers' from_pretrained loads a folder of that name in the working directory before the hub:
     # such a name is a local path, refused without a model root...
+    for repo_id in ("gpt2", "openai-community/gpt2", "org/name"):
+        put_in_cache(hf_cache, repo_id, {"config.json": "{}"})
     monkeypatch.chdir(layout["tmp"])
     (layout["tmp"] / "org" / "name").mkdir(parents=True)
     refused(client, {**SFT_SPEC, "model": "org/name"})
@@ -108,21 +111,56 @@ def test_a_hub_id_must_not_name_a_local_folder(
     assert resolved["model"] == str(root.resolve() / "org" / "name")
 
 
-def test_the_worker_resolves_inside_the_root_too(layout: dict[str, Path], settings: Settings) -> None:
+def test_a_name_under_the_model_root_is_that_folder(
+    rooted: TestClient, layout: dict[str, Path], settings: Settings, calls: Calls, hf_cache: Path
+) -> None:
+    # Issue 12, item 3: "llama" under RLHF_MODEL_ROOT was taken for a hub id, and failed on the worker.
+    root = layout["root"]
+    (root / "llama").mkdir()
+    (root / "llama" / "config.json").write_text("{}")
+    put_in_cache(hf_cache, "llama", {"config.json": "{}"})  # a hub model of the same name does not win
+    for spec in (
+        {**SFT_SPEC, "model": "llama"},
+        {**PPO_SPEC, "reward_model": "llama"},
+        {**SFT_SPEC, "model": "team/nested"},
+    ):
+        response = rooted.post("/v1/jobs", json=spec)
+        assert response.status_code == 201, (spec, response.text)
+    assert len(calls.enqueued) == 3
+    refused(rooted, {**SFT_SPEC, "model": "escape"})  # a symlink under the root that leads out
+    refused(rooted, {**SFT_SPEC, "model": "absent"}, code="hub_model_unavailable")  # nothing there: a hub id
+    with session_scope(settings.resolved_database_url) as session:
+        for model, path in [("llama", root / "llama"), ("team/nested", root / "team" / "nested")]:
+            spec = {**PPO_SPEC, "model": model, "reward_model": model, "hyperparameters": {}}
+            resolved = refs.resolve_spec(session, project_id="p", spec=spec, artifacts=root, model_root=root)
+            assert resolved["model"] == resolved["reward_model"] == str(path.resolve())
+
+
+def test_the_worker_resolves_inside_the_root_too(layout: dict[str, Path], settings: Settings, hf_cache: Path) -> None:
     root = layout["root"]
     with session_scope(settings.resolved_database_url) as session:
 
-        def resolve(model: str) -> str:
+        def resolve(model: str, hub_downloads: bool = False) -> str:
             spec = {**SFT_SPEC, "model": model, "hyperparameters": {}}
-            resolved = refs.resolve_spec(session, project_id="p", spec=spec, artifacts=root, model_root=root)
+            resolved = refs.resolve_spec(
+                session, project_id="p", spec=spec, artifacts=root, model_root=root, hub_downloads=hub_downloads
+            )
             return str(resolved["model"])
 
         assert resolve("./good") == str((root / "good").resolve())
         assert resolve("./inside-link") == str((root / "good").resolve())
-        for model in ("./escape", "../outside", "/etc"):
+        assert resolve("good") == str((root / "good").resolve())
+        for model in ("./escape", "../outside", "/etc", "escape"):
             with pytest.raises(refs.SpecReferenceError) as error:
                 resolve(model)
             assert error.value.code == "local_path_refused"
+        # A hub id the worker may not download and does not have fails here, before any model is loaded.
+        with pytest.raises(refs.SpecReferenceError) as error:
+            resolve("org/name")
+        assert (error.value.code, error.value.param) == ("hub_model_unavailable", "model")
+        assert resolve("org/name", hub_downloads=True) == "org/name"
+        put_in_cache(hf_cache, "org/name", {"config.json": "{}"})
+        assert resolve("org/name") == "org/name"
 
 
 @pytest.mark.parametrize(

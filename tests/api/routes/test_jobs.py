@@ -1,14 +1,18 @@
 """POST/GET /v1/jobs and the control actions: validation naming the field, references, idempotency,
 pagination and filters, enqueue after commit, guarded cancel/pause/resume."""
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from api.main import create_app
 from jobs.store import crud
 from jobs.store.settings import Settings
 from tests.api.conftest import PPO_SPEC, RM_SPEC, SFT_SPEC, Calls, Db, Project, error_of, jsonl, new_project
+from tests.hf_cache import put_in_cache
 
 
 def jobs_stored(client: TestClient) -> list[dict[str, Any]]:
@@ -151,6 +155,35 @@ def test_references_to_jobs(client: TestClient, settings: Settings, project: Pro
     assert ok.status_code == 201, ok.text
 
 
+def test_hub_ids_the_workers_cannot_have_are_refused(client: TestClient, calls: Calls, hf_cache: Path) -> None:
+    # Workers run with HF_HUB_OFFLINE=1 unless RLHF_HUB_DOWNLOADS is on: a hub id must be in the shared cache.
+    for spec, param in [
+        ({**SFT_SPEC, "model": "org/not-cached"}, "model"),
+        ({**PPO_SPEC, "reward_model": "gpt2"}, "reward_model"),
+    ]:
+        response = client.post("/v1/jobs", json=spec)
+        assert response.status_code == 422, response.text
+        error = error_of(response)
+        assert (error["code"], error["param"]) == ("hub_model_unavailable", param)
+        assert "RLHF_HUB_DOWNLOADS" in error["message"]
+        assert "HF_HUB_OFFLINE" in error["message"]
+    assert calls.enqueued == []
+    put_in_cache(hf_cache, "org/cached", {"config.json": "{}"})
+    response = client.post("/v1/jobs", json={**PPO_SPEC, "model": "org/cached", "reward_model": "org/cached"})
+    assert response.status_code == 201, response.text
+    assert response.json()["spec"]["model"] == "org/cached"
+
+
+def test_hub_ids_are_accepted_where_workers_may_download(
+    settings: Settings, project: Project, calls: Calls, hf_cache: Path
+) -> None:
+    app = create_app(settings.model_copy(update={"hub_downloads": True}), enqueue=calls.enqueue, recovery_interval=None)
+    with TestClient(app, headers=project.headers) as client:
+        response = client.post("/v1/jobs", json={**PPO_SPEC, "model": "org/not-cached", "reward_model": "org/rm"})
+    assert response.status_code == 201, response.text
+    assert len(calls.enqueued) == 1
+
+
 def test_references_to_files(client: TestClient, settings: Settings) -> None:
     def upload(rows: list[dict[str, str]], purpose: str, headers: dict[str, str] | None = None) -> str:
         files = {"file": ("d.jsonl", jsonl(rows))}
@@ -179,6 +212,31 @@ def test_references_to_files(client: TestClient, settings: Settings) -> None:
         assert (error_of(response)["code"], error_of(response)["param"]) == (code, param)
     assert jobs_stored(client) == []
     assert client.post("/v1/jobs", json={**SFT_SPEC, "dataset": sft_file}).status_code == 201
+
+
+def test_chat_files_need_a_model_with_a_chat_template(
+    settings: Settings, project: Project, calls: Calls, hf_cache: Path, tmp_path: Path
+) -> None:
+    for name, template in (("plain", None), ("chatty", "{{ messages }}")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    put_in_cache(hf_cache, "org/plain", {"config.json": "{}", "tokenizer_config.json": "{}"})
+    app = create_app(
+        settings.model_copy(update={"model_root": tmp_path}), enqueue=calls.enqueue, recovery_interval=None
+    )
+    with TestClient(app, headers=project.headers) as client:
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        uploaded = client.post("/v1/files", files={"file": ("chat.jsonl", jsonl([{"messages": messages}]))},
+                               data={"purpose": "sft"})  # fmt: skip
+        assert uploaded.status_code == 201 and uploaded.json()["chat"] is True
+        chat_file = uploaded.json()["id"]
+        for model, field in (("builtin:tiny", "dataset"), ("plain", "dataset"), ("org/plain", "eval_dataset")):
+            response = client.post("/v1/jobs", json={**SFT_SPEC, "model": model, field: chat_file})
+            assert response.status_code == 422, response.text
+            assert (error_of(response)["code"], error_of(response)["param"]) == ("chat_template_missing", field)
+        assert jobs_stored(client) == []
+        ok = client.post("/v1/jobs", json={**SFT_SPEC, "model": "chatty", "dataset": chat_file})
+        assert ok.status_code == 201, ok.text
 
 
 def test_idempotency_key(client: TestClient, calls: Calls, settings: Settings) -> None:
