@@ -82,6 +82,7 @@ def test_a_llama_with_chat_data_trains_sft_rm_ppo_with_lora_and_chats(
     history = c.request("GET", f"/v1/jobs/{ppo['id']}/metrics", params={"names": "objective/scores"})
     scores = [point["value"] for point in history["data"]["objective/scores"]]
     assert len(scores) == PPO_STEPS
+    print(f"objective/scores: first 5 steps {mean(scores[:5]):.3f}, last 5 steps {mean(scores[-5:]):.3f}")
     assert mean(scores[-5:]) > mean(scores[:5]), scores
 
     chat = c.request("POST", "/v1/chat/completions", json={
