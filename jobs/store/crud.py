@@ -109,7 +109,7 @@ def get_file(session: Session, *, file_id: str, project_id: str) -> File | None:
 
 def list_files(session: Session, *, project_id: str, after: str | None, limit: int) -> tuple[list[File], bool]:
     stmt = select(File).where(File.project_id == project_id)
-    return _page(session, stmt, File, after, limit)
+    return _page(session, stmt, File, project_id, after, limit)
 
 
 # --- jobs --------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def list_jobs(
         stmt = stmt.where(Job.status == status)
     if job_type is not None:
         stmt = stmt.where(Job.type == job_type)
-    return _page(session, stmt, Job, after, limit)
+    return _page(session, stmt, Job, project_id, after, limit)
 
 
 PageRow = TypeVar("PageRow", Job, File)
@@ -168,18 +168,20 @@ P = TypeVar("P")
 
 
 def _page(
-    session: Session, stmt: Select[PageRow], model: type[PageRow], after: str | None, limit: int
+    session: Session, stmt: Select[PageRow], model: type[PageRow], project_id: str, after: str | None, limit: int
 ) -> tuple[list[PageRow], bool]:
-    """Newest first; ``after`` is the id of the last row of the previous page."""
+    """Newest first; ``after`` is the id of the last row of the previous page, a row of the same project. An
+    unknown cursor (another project's row included: nothing may tell the two apart) gives an empty page."""
     if after is not None:
-        anchor = session.get(model, after)
-        if anchor is not None:
-            stmt = stmt.where(
-                or_(
-                    model.created_at < anchor.created_at,
-                    and_(model.created_at == anchor.created_at, model.id < anchor.id),
-                )
+        anchor = session.scalars(select(model).where(model.id == after, model.project_id == project_id)).first()
+        if anchor is None:
+            return [], False
+        stmt = stmt.where(
+            or_(
+                model.created_at < anchor.created_at,
+                and_(model.created_at == anchor.created_at, model.id < anchor.id),
             )
+        )
     rows = list(session.scalars(stmt.order_by(model.created_at.desc(), model.id.desc()).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
 

@@ -135,3 +135,21 @@ def test_another_projects_objects_are_invisible_on_every_route(
     assert snapshot(db, a_jobs, a) == before
     assert calls.generated == []
     assert calls.enqueued == [own.json()["id"]]
+
+
+def test_another_projects_id_as_a_list_cursor_tells_nothing(app: FastAPI, settings: Settings, db: Db) -> None:
+    """``?after=`` is resolved inside the caller's project: another project's job or file id is an unknown
+    cursor, answered exactly as an id that exists nowhere (an empty page), not a page cut at its creation time."""
+    a, b = new_project(settings, "a"), new_project(settings, "b")
+    b_jobs = [db.job(b.id) for _ in range(3)]
+    a_job = db.job(a.id)
+    with db.session() as session:
+        for project, file_id in ((b, "file-cursorbbbbbb"), (a, "file-cursoraaaaaa")):
+            crud.create_file(session, file_id=file_id, project_id=project.id, filename="d.jsonl", purpose="sft",
+                             size=1, rows=1, path=f"files/{file_id}.jsonl")  # fmt: skip
+    with TestClient(app, headers=b.headers) as client:
+        for path, foreign, own in (("/v1/jobs", a_job, b_jobs[1]), ("/v1/files", "file-cursoraaaaaa", None)):
+            nowhere = client.get(path, params={"after": "job_000000000000"}).json()
+            assert client.get(path, params={"after": foreign}).json() == nowhere == {"data": [], "has_more": False}
+            if own is not None:  # the caller's own cursor pages as before
+                assert [j["id"] for j in client.get(path, params={"after": own}).json()["data"]] == [b_jobs[0]]
