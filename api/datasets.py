@@ -1,7 +1,7 @@
 """Torch-free validation of uploaded JSONL datasets (DESIGN §2), line by line, streaming.
 
 Rows are checked by the engine's torch-free ``engine.rows``, with the same line numbers as the engine's
-reader (the text is split like ``str.splitlines``), so a file the API accepts is one the engine reads.
+reader (lines split at LF only, ``engine.rows.split_lines``), so a file the API accepts is one the engine reads.
 """
 
 from dataclasses import dataclass
@@ -48,24 +48,18 @@ def summarize(stream: BinaryIO, purpose: str, max_line_bytes: int = MAX_LINE_BYT
     """
     number = rows = 0
     chat = False
-    while raw := stream.readline(max_line_bytes + 2):  # split at b"\n"; each piece again like str.splitlines()
+    while raw := stream.readline(max_line_bytes + 2):  # split at b"\n" only, as the engine's split_lines
         content = raw.removesuffix(b"\n").removesuffix(b"\r") if raw.endswith(b"\n") else raw
+        number += 1
         if len(content) > max_line_bytes:
-            raise InvalidFile(f"line {number + 1}: longer than the limit of {max_line_bytes} bytes")
+            raise InvalidFile(f"line {number}: longer than the limit of {max_line_bytes} bytes")
         try:
-            text, undecodable = raw.decode("utf-8"), False
-        except UnicodeDecodeError:  # find the line: its undecodable bytes become lone surrogates
-            text, undecodable = raw.decode("utf-8", errors="surrogateescape"), True
-        for line in text.splitlines():
-            number += 1
-            if undecodable:
-                try:
-                    line.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise InvalidFile(f"line {number}: not valid UTF-8 text") from None
-            if line.strip():
-                chat |= _check_row(line, purpose, number)
-                rows += 1
+            line = content.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidFile(f"line {number}: not valid UTF-8 text") from None
+        if line.strip():
+            chat |= _check_row(line, purpose, number)
+            rows += 1
     if rows == 0:
         raise InvalidFile("the file has no rows")
     return Summary(rows, chat)

@@ -8,7 +8,16 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine import builtin
-from engine.rows import ChatTemplateMissingError, DatasetError, Message, Text, is_chat, parse_line, split_prompt
+from engine.rows import (
+    ChatTemplateMissingError,
+    DatasetError,
+    Message,
+    Text,
+    is_chat,
+    parse_line,
+    split_lines,
+    split_prompt,
+)
 
 
 def parse_jsonl(lines: list[str], kind: str) -> list[dict[str, Any]]:
@@ -32,7 +41,7 @@ def load_rows(ref: str, kind: str) -> list[dict[str, Any]]:
     path = Path(ref)
     if not path.is_file():
         raise DatasetError(f"dataset not found: {ref}")
-    return parse_jsonl(path.read_text(encoding="utf-8").splitlines(), kind)
+    return parse_jsonl(split_lines(path.read_text(encoding="utf-8")), kind)
 
 
 def batch_indices(n_rows: int, batch_size: int, seed: int, step: int) -> list[int]:

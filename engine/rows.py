@@ -99,4 +99,14 @@ def parse_line(text: str, kind: str, line: int) -> dict[str, Any]:
         row = json.loads(text)
     except json.JSONDecodeError as e:
         raise DatasetError(f"line {line}: invalid JSON ({e.msg})") from None
+    except RecursionError:
+        raise DatasetError(f"line {line}: invalid JSON (nested too deeply)") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise DatasetError(f"line {line}: invalid JSON ({e})") from None
     return validate_row(row, kind, line)
+
+
+def split_lines(text: str) -> list[str]:
+    """JSONL lines: split at LF only (a CRLF's CR dropped), never at the other line breaks ``str.splitlines``
+    knows (U+2028, U+0085, ...), which valid JSON may hold raw inside a string."""
+    return [line.removesuffix("\r") for line in text.split("\n")]

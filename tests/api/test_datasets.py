@@ -6,6 +6,7 @@ import pytest
 
 from api.datasets import InvalidFile, count_rows
 from engine.data import DatasetError, parse_jsonl
+from engine.rows import split_lines
 
 CASES = [
     b'{"prompt": "a", "completion": "b"}\n',
@@ -21,7 +22,25 @@ CASES = [
     b"\n  \n",
     b"",
     b'\xef\xbb\xbf{"prompt": "a", "completion": "b"}\n',  # a byte-order mark
+    b'{"prompt": "a", "completion": "b"}\n' + b"[" * 5000 + b"]" * 5000 + b"\n",  # nested too deeply for json
+    b'{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": "b", "n": ' + b"9" * 5000 + b"}\n",
 ]
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b'{"prompt": "a\xe2\x80\xa8b", "completion": "c\xc2\x85d"}\n', 1),  # raw U+2028 and U+0085 in strings
+        (b'{"prompt": "a", "completion": "b"}\n' + b"[" * 5000 + b"]" * 5000 + b"\n", "line 2"),
+        (b'{"prompt": "a", "completion": "b", "n": ' + b"9" * 5000 + b"}\n", "line 1"),
+    ],
+)
+def test_line_breaks_in_strings_are_text_and_unparsable_lines_are_named(content: bytes, expected: int | str) -> None:
+    try:
+        got: int | str = count_rows(io.BytesIO(content), "sft")
+    except InvalidFile as e:
+        got = verdict(e)
+    assert got == expected
 
 
 def verdict(error: Exception) -> str:
@@ -33,7 +52,7 @@ def verdict(error: Exception) -> str:
 @pytest.mark.parametrize("content", CASES)
 def test_same_verdict_as_the_engine(content: bytes) -> None:
     try:
-        expected: int | str = len(parse_jsonl(content.decode("utf-8").splitlines(), "sft"))
+        expected: int | str = len(parse_jsonl(split_lines(content.decode("utf-8")), "sft"))
     except DatasetError as e:
         expected = verdict(e)
     try:

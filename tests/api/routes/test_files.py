@@ -95,3 +95,14 @@ def test_unknown_file_is_404(client: TestClient) -> None:
     response = client.get("/v1/files/file-000000000000")
     assert response.status_code == 404
     assert error_of(response)["code"] == "not_found"
+
+
+def test_unparsable_lines_are_422_naming_the_line(client: TestClient) -> None:
+    """JSON too deep for the parser, or an integer of more digits than it converts: a 422, not a 500."""
+    good = b'{"prompt": "a", "completion": "b"}\n'
+    for bad in (b"[" * 5000 + b"]" * 5000, b'{"prompt": "a", "completion": "b", "n": ' + b"9" * 5000 + b"}"):
+        response = upload(client, good + bad + b"\n")
+        assert response.status_code == 422, response.text
+        assert error_of(response)["message"].startswith("line 2: invalid JSON"), error_of(response)
+    raw_breaks = '{"prompt": "a\u2028b", "completion": "c\u0085d"}\n'.encode()  # raw U+2028 / U+0085 in strings
+    assert upload(client, raw_breaks).json()["rows"] == 1
