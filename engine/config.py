@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.builtin import DATASETS
+from engine.builtin import DATASETS, TINY_MODEL
 
 JobType = Literal["sft", "rm", "ppo"]
 Scheduler = Literal["constant", "linear", "cosine"]
@@ -331,6 +331,8 @@ class JobSpec(_Strict):
     def _model_ref(cls, value: str | None) -> str | None:
         if value is not None and not _MODEL_REF.match(value):
             raise ValueError(f"not a model reference: {value!r}")
+        if value is not None and value.startswith("builtin:") and value != TINY_MODEL:
+            raise ValueError(f"unknown built-in model {value[:60]!r}; known: {TINY_MODEL}")
         return value
 
     @field_validator("dataset", "eval_dataset")

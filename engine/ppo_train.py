@@ -294,6 +294,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
 
         # 7. KL controller and metrics
         mean_kl = kl.sum(1).mean().item()
+        kl_coef = kl_ctl.value  # the β of this step's rewards, before the controller moves it for the next step
         kl_ctl.update(mean_kl, B)
         n_generated = mask.sum().item()
         elapsed = time.perf_counter() - t0
@@ -301,7 +302,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         metrics = {
             "objective/scores": raw_scores.mean().item(),
             "objective/kl": mean_kl,
-            "objective/kl_coef": kl_ctl.value,
+            "objective/kl_coef": kl_coef,
             "objective/non_score_reward": non_score,
             "objective/rlhf_reward": raw_scores.mean().item() + non_score,
             "objective/entropy": (-ro.logprobs * mask).sum(1).mean().item(),

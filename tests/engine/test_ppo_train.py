@@ -89,9 +89,13 @@ def test_value_model_checkpointed_next_to_policy(tmp_path, pretrained):
 def test_adaptive_kl_changes_the_coefficient(tmp_path, pretrained):
     _, rec = _run(tmp_path, pretrained, total_steps=3, adaptive_kl=True, kl_target=1.0, kl_horizon=20)
     coefs = rec.series("objective/kl_coef")
-    # KL is ~0 at first, far below the target: β shrinks by (1 - 0.2·8/20) per step
-    assert coefs[0] == pytest.approx(0.05 * (1 - 0.2 * 8 / 20))
-    assert coefs[0] < 0.05 and len(set(coefs)) == 3
+    # KL is ~0 at first, far below the target: β shrinks by (1 - 0.2·8/20) per step. Each step logs the β its
+    # rewards were computed with (the first step's is the initial one), so β × KL is the non-score reward.
+    assert coefs[0] == 0.05 and coefs[1] == pytest.approx(0.05 * (1 - 0.2 * 8 / 20))
+    assert len(set(coefs)) == 3
+    for kl_coef, kl, non_score in zip(coefs, rec.series("objective/kl"), rec.series("objective/non_score_reward"),
+                                      strict=True):  # fmt: skip
+        assert non_score == pytest.approx(-kl_coef * kl, rel=1e-5, abs=1e-8)
 
 
 def test_k3_estimator(tmp_path, pretrained):
