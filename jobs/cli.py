@@ -32,7 +32,7 @@ log = logging.getLogger("rlhf")
 def upgrade_database(settings: Settings) -> None:
     from jobs.store.migrate import upgrade
 
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settings.prepare_data_dir()
     upgrade(settings.resolved_database_url)
 
 
@@ -139,6 +139,7 @@ def cmd_api(args: argparse.Namespace) -> None:
     settings = get_settings()
     check_bind_address(args.host, args.allow_remote or settings.allow_remote)
     settings.check()
+    settings.prepare_data_dir()
     uvicorn.run("api.main:app", host=args.host, port=args.port, log_level="warning")
 
 

@@ -85,7 +85,7 @@ def start_worker(
     argv = worker_argv(queues, concurrency, loglevel)
     settings = settings or get_settings()
     settings.check()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settings.prepare_data_dir()
     logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     hf_logging.disable_progress_bar()  # tqdm bars would reach the log as warnings, one per checkpoint
     keep_off_the_hub(settings)

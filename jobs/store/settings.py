@@ -3,6 +3,7 @@
 The engine never reads it: workers pass what it needs as arguments.
 """
 
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -76,6 +77,20 @@ class Settings(BaseSettings):
     @property
     def resolved_artifacts_dir(self) -> Path:
         return (self.artifacts_dir or self.data_dir / "artifacts").resolve()
+
+    def prepare_data_dir(self) -> None:
+        """Create ``data_dir`` and the SQLite stores of the embedded defaults (database, broker, results) owner-only
+        (0600, as uploads and the key file are), before anything opens them: they hold every project's specs,
+        metrics and task messages. SQLite gives its -wal and -shm files the database file's mode."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        for url in (self.resolved_database_url, self.resolved_broker_url, self.resolved_result_backend):
+            scheme, _, path = url.partition(":///")
+            if not scheme.endswith("sqlite") or not path:
+                continue
+            for store in (Path(path), Path(f"{path}-wal"), Path(f"{path}-shm")):
+                if store == Path(path) or store.exists():
+                    os.close(os.open(store, os.O_WRONLY | os.O_CREAT, 0o600))
+                    os.chmod(store, 0o600)  # a store an earlier version created readable by all
 
     def check(self) -> None:
         """Refuse development defaults in production."""

@@ -1,12 +1,17 @@
 """The first API key of ``rlhf serve`` and ``rlhf keys create``."""
 
+import stat
 from pathlib import Path
 
 from fastapi.testclient import TestClient
 
 from api.main import create_app
+from jobs.cli import upgrade_database
+from jobs.store import crud
 from jobs.store.bootstrap import create_key, ensure_default_key
+from jobs.store.db import session_scope
 from jobs.store.migrate import upgrade
+from jobs.store.settings import Settings
 from tests.api.conftest import SFT_SPEC, make_settings
 
 
@@ -32,3 +37,19 @@ def test_default_key_once_then_more_keys(tmp_path: Path) -> None:
         assert created.status_code == 201
         assert job_ids(key) == job_ids(second) == [created.json()["id"]]  # the same project
         assert job_ids(other) == []  # a project of its own
+
+
+def test_the_embedded_stores_are_owner_only(tmp_path: Path) -> None:
+    """The SQLite database, broker and result stores hold every project's specs, metrics and task messages:
+    0600 like the uploads and the key file, also when an earlier version left one readable by all."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "broker.db").touch(mode=0o644)
+    (data_dir / "broker.db").chmod(0o644)
+    settings = Settings(data_dir=data_dir, database_url=None, broker_url=None, result_backend_url=None)
+    upgrade_database(settings)  # what rlhf serve and rlhf db upgrade run first (rlhf api and workers prepare alike)
+    with session_scope(settings.resolved_database_url) as session:
+        crud.create_project(session, name="p")  # a write: SQLite in WAL mode opens its log file beside the database
+        stores = ["rlhf.db", "broker.db", "results.db", *(p.name for p in data_dir.glob("*.db-*"))]
+    assert "rlhf.db-wal" in stores
+    assert {name: stat.S_IMODE((data_dir / name).stat().st_mode) for name in stores} == dict.fromkeys(stores, 0o600)
