@@ -180,7 +180,8 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
 
 async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error", exc_info=exc)
-    return error_response(500, "internal_error", "internal server error")
+    # The server closes the connection after an unhandled error: say so, or a client reusing it meets a reset.
+    return error_response(500, "internal_error", "internal server error", headers={"Connection": "close"})
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,10 +1,15 @@
 """The application object: lazy to create, documented, one error envelope everywhere."""
 
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from api.main import create_app
@@ -71,3 +76,33 @@ def test_production_refuses_the_embedded_defaults(tmp_path: Path) -> None:
     app = create_app(settings, recovery_interval=None)  # creating it is fine; starting it is not
     with pytest.raises(ValueError, match="production"), TestClient(app):
         pass
+
+
+def test_a_keep_alive_connection_survives_an_unhandled_error(tmp_path: Path, database_url: str) -> None:
+    """After an unhandled error uvicorn closes the connection; the 500 says ``Connection: close``, so a client
+    keeping connections alive opens a new one for its next request instead of meeting a reset."""
+    app = create_app(make_settings(tmp_path, database_url), enqueue=lambda *_: None, recovery_interval=None)
+
+    @app.get("/boom", include_in_schema=False)
+    def boom() -> None:
+        raise RuntimeError("an unexpected bug")
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+            failed = client.get("/boom")
+            assert failed.status_code == 500 and failed.headers["connection"] == "close"
+            assert failed.json()["error"]["code"] == "internal_error"
+            assert client.get("/healthz").status_code == 200  # the next request on the same client
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
