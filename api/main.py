@@ -1,6 +1,7 @@
 """The FastAPI application: ``create_app(settings)`` and the module-level ``app`` that ``uvicorn api.main:app``
 serves. Creating the app touches neither the database nor the broker."""
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -16,10 +17,13 @@ from api.queue import celery_enqueue, celery_generate
 from api.recovery import RecoveryThread
 from api.routes import dashboard, files, generate, health, jobs, stream
 from api.routes import openai as openai_routes
+from api.routes.files import remove_stale_uploads
 from api.uploads import BodySizeLimit
 from engine.config import JobSpec
 from jobs.celery_app import celery_app, make_celery
 from jobs.store.settings import Settings, get_settings
+
+logger = logging.getLogger(__name__)
 
 DESCRIPTION = """Train language models from human feedback: supervised fine-tuning (`sft`), reward models (`rm`)
 and PPO (`ppo`). Upload JSONL datasets, create jobs, follow their metrics live, and sample from any checkpoint.
@@ -53,6 +57,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.check()
+        if removed := remove_stale_uploads(settings.resolved_artifacts_dir / "files"):
+            logger.info("removed %d temporary files of interrupted uploads", len(removed))
         recovery = None
         if recovery_interval is not None:
             recovery = RecoveryThread(settings, enqueue, recovery_interval)

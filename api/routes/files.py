@@ -1,8 +1,10 @@
 """``/v1/files``: JSONL datasets, validated in full before anything is stored."""
 
+import contextlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Annotated, BinaryIO
 
@@ -97,6 +99,25 @@ def _filename(name: str | None) -> str:
     base = (name or "").replace("\\", "/").rsplit("/", 1)[-1]
     base = "".join(c for c in base if c.isprintable())
     return base[:255] or "upload.jsonl"
+
+
+STALE_UPLOAD_SECONDS = 3600
+"""An upload's temporary file untouched this long was left by an API process that died writing it."""
+
+
+def remove_stale_uploads(files_dir: Path, older_than_s: float = STALE_UPLOAD_SECONDS) -> list[str]:
+    """Delete the temporary files (``.<name>.<random>.tmp``) that uploads interrupted by a killed API left, once
+    they are older than any upload in progress could be; returns their names. Run when the API starts."""
+    if not files_dir.is_dir():
+        return []
+    cutoff = time.time() - older_than_s
+    removed = []
+    for path in files_dir.glob(".*.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            if path.is_file() and path.stat().st_mtime < cutoff:
+                path.unlink()
+                removed.append(path.name)
+    return removed
 
 
 def _write_atomically(stream: BinaryIO, target: Path) -> None:

@@ -1,11 +1,15 @@
 """POST/GET /v1/files: JSONL validated line by line; nothing partial is stored."""
 
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from api.main import create_app
+from api.routes.files import STALE_UPLOAD_SECONDS
 from jobs.store import crud
 from jobs.store.settings import Settings
 from tests.api.conftest import Db, Project, error_of, jsonl, new_project
@@ -106,3 +110,20 @@ def test_unparsable_lines_are_422_naming_the_line(client: TestClient) -> None:
         assert error_of(response)["message"].startswith("line 2: invalid JSON"), error_of(response)
     raw_breaks = '{"prompt": "a\u2028b", "completion": "c\u0085d"}\n'.encode()  # raw U+2028 / U+0085 in strings
     assert upload(client, raw_breaks).json()["rows"] == 1
+
+
+def test_an_interrupted_uploads_temporary_file_is_removed_when_the_api_starts(
+    settings: Settings, project: Project
+) -> None:
+    """kill -9 of the API while it writes an upload leaves ``.<name>.<random>.tmp`` with no row: the next start
+    removes it once it is older than any upload in progress could be, and leaves a fresh one alone."""
+    files_dir = settings.resolved_artifacts_dir / "files"
+    files_dir.mkdir(parents=True, exist_ok=True)
+    stale, fresh = files_dir / ".file-aaaa.jsonl.x1.tmp", files_dir / ".file-bbbb.jsonl.x2.tmp"
+    for path in (stale, fresh):
+        path.write_bytes(b"{}" * 1000)
+    an_hour_and_more = time.time() - STALE_UPLOAD_SECONDS - 60
+    os.utime(stale, (an_hour_and_more, an_hour_and_more))
+    with TestClient(create_app(settings, enqueue=lambda *_: None, recovery_interval=None), headers=project.headers):
+        pass
+    assert not stale.exists() and fresh.exists()
