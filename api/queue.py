@@ -3,8 +3,10 @@
 import logging
 from typing import Any
 
+import anyio
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
+from fastapi import Request
 from kombu.exceptions import OperationalError
 
 from api.deps import Enqueue, Generate
@@ -39,6 +41,29 @@ def celery_generate(celery: Celery, timeout: float) -> Generate:
         return answer
 
     return generate
+
+
+async def run_generation(request: Request, wait_for: Generate, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Wait for an inference worker (on the app's generate limiter, so slow generations cannot starve the other
+    routes' threads). The one mapping of generation errors for every route: what the worker reports about the
+    request (a model without a chat template, more tokens than the model's context, a checkpoint gone) is a
+    400; anything else a 500."""
+    try:
+        result: dict[str, Any] = await anyio.to_thread.run_sync(
+            wait_for, kwargs, limiter=request.app.state.generate_limiter
+        )
+    except ApiError:
+        raise
+    except Exception as e:
+        # Celery re-creates the worker's exception under its class name (jobs.inference is not imported here).
+        name = type(e).__name__
+        if name == "ChatTemplateMissing":
+            raise ApiError(400, "chat_template_missing", str(e), param="model") from e
+        if name == "GenerateError":
+            raise ApiError(400, "invalid_request", str(e)) from e
+        logger.exception("generation failed for job %s step %s", kwargs["job_id"], kwargs["step"])
+        raise ApiError(500, "generation_failed", f"generation failed: {e}") from e
+    return result
 
 
 def check_broker(celery: Celery, timeout: float = 2.0) -> None:

@@ -25,7 +25,8 @@ def sample_next(
     if top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keeps at least the top token
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p
+        drop_sorted[:, 0] = False  # the top token stays, however small top_p (one below float32's range is 0)
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     probs = logits.softmax(-1)  # (B, V)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)

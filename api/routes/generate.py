@@ -1,6 +1,5 @@
 """``POST /v1/jobs/{id}/generate``: sample from any checkpoint of a job, on the inference queue."""
 
-import logging
 from typing import Any
 
 import anyio
@@ -9,12 +8,12 @@ from sqlalchemy.orm import Session
 
 from api.deps import CurrentProject, GenerateDep, SessionDep
 from api.errors import ApiError, ErrorResponse, error_responses
+from api.queue import run_generation
 from api.routes.jobs import job_or_404
 from api.schemas import GenerateRequest, GenerateResponse
 from jobs.store import crud
 from jobs.store.models import Project
 
-logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/jobs", tags=["generation"])
 
 
@@ -73,12 +72,5 @@ async def generate(
         "seed": body.seed,
         "score": body.score,
     }
-    # The blocking wait runs on its own limiter, so slow generations cannot starve the other routes' threads.
-    try:
-        result = await anyio.to_thread.run_sync(wait_for, kwargs, limiter=request.app.state.generate_limiter)
-    except ApiError:
-        raise
-    except Exception as e:
-        logger.exception("generation failed for job %s step %s", job_id, step)
-        raise ApiError(500, "generation_failed", f"generation failed: {e}") from e
+    result = await run_generation(request, wait_for, kwargs)
     return GenerateResponse(checkpoint=step, completions=result["completions"])

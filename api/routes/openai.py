@@ -6,7 +6,6 @@ also of a job still training), as in job specs. Same key, project scoping, body 
 rest of the API; generation runs on an inference worker through the ``rlhf.generate`` task.
 """
 
-import logging
 import re
 import secrets
 import time
@@ -21,7 +20,7 @@ from pydantic import BaseModel
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.deps import CurrentProject, Generate, GenerateDep, SessionDep
+from api.deps import CurrentProject, GenerateDep, SessionDep
 from api.errors import ApiError, ErrorResponse, error_responses
 from api.openai_schemas import (
     DEFAULT_MAX_TOKENS,
@@ -40,11 +39,11 @@ from api.openai_schemas import (
     Sampling,
     Usage,
 )
+from api.queue import run_generation
 from api.schemas import MAX_INT32
 from jobs.store import crud
 from jobs.store.models import Checkpoint, Job, Project
 
-logger = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
 
 _MODEL_ID = re.compile(r"^job:([A-Za-z0-9_-]{1,40})(?:@(\d{1,10}))?$")
@@ -172,26 +171,6 @@ def _task_kwargs(body: Sampling, job_id: str, step: int, max_tokens: int | None)
     }
 
 
-async def _run(request: Request, wait_for: Generate, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Wait for the inference worker. Errors it reports about the request are 400s; the rest are 500s."""
-    try:
-        result: dict[str, Any] = await anyio.to_thread.run_sync(
-            wait_for, kwargs, limiter=request.app.state.generate_limiter
-        )
-    except ApiError:
-        raise
-    except Exception as e:
-        # Celery re-creates the worker's exception under its class name (jobs.inference is not imported here).
-        name = type(e).__name__
-        if name == "ChatTemplateMissing":
-            raise ApiError(400, "chat_template_missing", str(e), param="model") from e
-        if name == "GenerateError":
-            raise ApiError(400, "invalid_request", str(e)) from e
-        logger.exception("generation failed for job %s step %s", kwargs["job_id"], kwargs["step"])
-        raise ApiError(500, "generation_failed", f"generation failed: {e}") from e
-    return result
-
-
 def _usage(result: dict[str, Any]) -> Usage:
     counts = result.get("usage") or {}
     prompt, completion = int(counts.get("prompt_tokens", 0)), int(counts.get("completion_tokens", 0))
@@ -240,7 +219,7 @@ async def create_completion(
     job_id, step = await anyio.to_thread.run_sync(_lookup, session, project, body.model)
     kwargs = _task_kwargs(body, job_id, step, body.max_tokens)
     kwargs["prompts"] = body.prompts
-    result = await _run(request, wait_for, kwargs)
+    result = await run_generation(request, wait_for, kwargs)
     ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
     rows = result.get("completions", [])
     usage = _usage(result)
@@ -278,7 +257,7 @@ async def create_chat_completion(
     job_id, step = await anyio.to_thread.run_sync(_lookup, session, project, body.model)
     kwargs = _task_kwargs(body, job_id, step, body.max_completion_tokens or body.max_tokens)
     kwargs["messages"] = [{"role": m.role, "content": m.text} for m in body.messages]
-    result = await _run(request, wait_for, kwargs)
+    result = await run_generation(request, wait_for, kwargs)
     ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
     rows = result.get("completions", [])
     usage = _usage(result)

@@ -11,7 +11,7 @@ from transformers.activations import GELUTanh, NewGELUActivation
 from engine import builtin
 from engine.checkpoint import JOB_FILE
 from engine.data import DatasetError, encode_prompts, encode_sft_batch, load_rows, parse_jsonl
-from engine.generate import generate, sample
+from engine.generate import generate, sample, sample_next
 from engine.models import (
     ModelNotFoundError,
     fuse_activations,
@@ -334,3 +334,10 @@ def test_a_job_folder_names_a_model_in_a_later_spec(tmp_path, sft_dir):
     assert result.status == "succeeded"
     # a trained model starts far below the random model's loss of ~ln(vocab)
     assert rec.metrics[1]["loss/sft"] < 2.0
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 1e-30, 0.01])
+def test_a_tiny_top_p_samples_the_most_likely_token(top_p):
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.0], [5.0, 0.0, 0.0, 0.0]])  # (B, V)
+    tokens = sample_next(logits, temperature=1.0, top_k=0, top_p=top_p, generator=torch.Generator().manual_seed(0))
+    assert tokens.tolist() == [1, 0]

@@ -124,3 +124,28 @@ def test_worker_failures(client: TestClient, project: Project, db: Db, calls: Ca
     response = client.post(f"/v1/jobs/{job_id}/generate", json={"prompts": ["a"]})
     assert (response.status_code, error_of(response)["code"]) == (500, "generation_failed")
     assert "CUDA error" in error_of(response)["message"]
+
+
+class GenerateError(ValueError):
+    """Named as the worker's: Celery re-creates a worker's exception under its class name."""
+
+
+def test_errors_the_worker_reports_about_the_request_are_400_on_both_routes(
+    client: TestClient, project: Project, db: Db, calls: Calls
+) -> None:
+    """One mapping of generation errors for /generate and the OpenAI-compatible routes: a request that cannot be
+    served (more tokens than the model's context, a checkpoint retention removed meanwhile) is a 400."""
+    job_id = db.job(project.id, spec=SFT_SPEC, status="running")
+    db.checkpoint(job_id, 1)
+
+    def too_long(_kwargs: dict[str, Any]) -> dict[str, Any]:
+        raise GenerateError("max_new_tokens + a one-token prompt (300 tokens) exceeds the model's context of 256")
+
+    calls.answer = too_long
+    for path, body in (
+        (f"/v1/jobs/{job_id}/generate", {"prompts": ["a"], "max_new_tokens": 299}),
+        ("/v1/completions", {"model": f"job:{job_id}@1", "prompt": "a", "max_tokens": 299}),
+    ):
+        response = client.post(path, json=body)
+        assert (response.status_code, error_of(response)["code"]) == (400, "invalid_request"), response.text
+        assert "context" in error_of(response)["message"]
