@@ -30,7 +30,8 @@ def celery_generate(celery: Celery, timeout: float) -> Generate:
         try:
             result = celery.send_task(GENERATE_TASK, kwargs=kwargs, queue=INFERENCE_QUEUE, expires=timeout)
         except OperationalError as e:
-            raise ApiError(503, "unavailable", f"the broker is unreachable: {e}") from e
+            logger.exception("the broker is unreachable")
+            raise ApiError(503, "unavailable", "the broker is unreachable") from e
         try:
             answer: dict[str, Any] = result.get(timeout=timeout)
         except CeleryTimeoutError:
@@ -62,7 +63,7 @@ async def run_generation(request: Request, wait_for: Generate, kwargs: dict[str,
         if name == "GenerateError":
             raise ApiError(400, "invalid_request", str(e)) from e
         logger.exception("generation failed for job %s step %s", kwargs["job_id"], kwargs["step"])
-        raise ApiError(500, "generation_failed", f"generation failed: {e}") from e
+        raise ApiError(500, "generation_failed", "generation failed on the inference worker") from e
     return result
 
 

@@ -133,10 +133,11 @@ def create_job(
             to="failed",
             finished_at=utcnow(),
             error_code="enqueue_failed",
-            error_message=f"the job could not be queued: {e}",
+            error_message="the job could not be queued: the broker did not accept it",
         )
         session.commit()
-        raise ApiError(503, "unavailable", f"the job {job.id} was stored but could not be queued: {e}") from e
+        # The broker's own message (SQL, task bodies, routing keys) goes to the log above, never to the client.
+        raise ApiError(503, "unavailable", f"the job {job.id} was stored but the broker did not accept it") from e
     return JobPublic.of(job)
 
 
@@ -240,7 +241,7 @@ def resume_job(session: SessionDep, project: CurrentProject, enqueue: EnqueueDep
         logger.exception("could not enqueue job %s", job.id)
         crud.transition(session, job_id=job.id, from_statuses=("queued",), to="paused")
         session.commit()
-        raise ApiError(503, "unavailable", f"the job could not be queued, it stays paused: {e}") from e
+        raise ApiError(503, "unavailable", "the broker did not accept the job, so it stays paused") from e
     session.refresh(job)
     return JobPublic.of(job)
 

@@ -62,8 +62,10 @@ def test_enqueue_happens_after_commit(client: TestClient, calls: Calls, db: Db) 
 
 
 def test_enqueue_failure_is_503_and_the_job_is_not_left_queued(client: TestClient) -> None:
+    leak = "(sqlite3.OperationalError) database is locked [SQL: INSERT INTO kombu_message] eyJib2R5Ijog"
+
     def broken(_job_id: str, _queue: str) -> None:
-        raise ConnectionError("broker down")
+        raise ConnectionError(leak)
 
     client.app.state.enqueue = broken  # type: ignore[attr-defined]
     response = client.post("/v1/jobs", json=SFT_SPEC)
@@ -72,6 +74,8 @@ def test_enqueue_failure_is_503_and_the_job_is_not_left_queued(client: TestClien
     [job] = jobs_stored(client)
     assert job["status"] == "failed"
     assert job["error"]["code"] == "enqueue_failed"
+    # a code and a plain sentence for the user; the broker's words (SQL, a task body) only in the server log
+    assert "SQL" not in error_of(response)["message"] and "SQL" not in job["error"]["message"]
 
 
 @pytest.mark.parametrize(
