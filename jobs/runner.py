@@ -419,6 +419,9 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
 
 
 def _failure(code: str, message: str) -> Ending:
+    if code == "internal_error":  # not the user's to act on, and its text may hold SQL or paths: the log keeps it
+        log.error("internal error: %s", message)
+        message = "an unexpected error in the worker; the worker's log has the details"
     return failed(code, message), ("error", message, {"code": code})
 
 

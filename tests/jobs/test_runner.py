@@ -285,6 +285,21 @@ def test_a_missing_dataset_file_fails_with_dataset_invalid(sqlite_settings: Sett
     assert [e.data["code"] for e in errors] == ["dataset_invalid"]
 
 
+def test_an_unexpected_errors_text_stays_in_the_log(
+    sqlite_settings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def crash(*_args: object) -> None:
+        raise RuntimeError("(psycopg.OperationalError) server closed [SQL: UPDATE jobs SET ...]")
+
+    monkeypatch.setattr(runner, "run_engine", crash)
+    job_id = create_job(sqlite_settings, new_project(sqlite_settings), sft_spec())
+    assert runner.run_job(job_id, settings=sqlite_settings, worker="w:1") == "failed"
+    job = get_job(sqlite_settings, job_id)
+    assert job.error_code == "internal_error" and job.error_message is not None
+    assert "SQL" not in job.error_message and "worker's log" in job.error_message
+    assert "[SQL: UPDATE jobs" in caplog.text
+
+
 def test_an_unknown_local_model_fails_with_model_not_found(sqlite_url: str, tmp_path: Path) -> None:
     settings = make_settings(sqlite_url, tmp_path, model_root=tmp_path / "models")
     (tmp_path / "models").mkdir()
