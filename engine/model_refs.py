@@ -43,3 +43,15 @@ def chat_template_saved(folder: Path) -> bool | None:
         return bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
     except (OSError, ValueError):
         return None
+
+
+def context_saved(folder: Path) -> int | None:
+    """How many positions the model saved in ``folder`` attends to, when its ``config.json`` says."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for name in ("max_position_embeddings", "n_positions"):
+        if isinstance(config.get(name), int):
+            return int(config[name])
+    return None

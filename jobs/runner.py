@@ -318,11 +318,17 @@ def error_code(error: BaseException) -> str:
         return "non_finite_loss"
     if isinstance(error, TrainingCollapseError):
         return "training_collapse"  # a PPO collapse signal, with hyperparameters.on_collapse "stop"
-    if isinstance(error, torch.cuda.OutOfMemoryError | MemoryError):
+    if isinstance(error, torch.cuda.OutOfMemoryError | MemoryError) or _cpu_out_of_memory(error):
         return "out_of_memory"
     if isinstance(error, ValueError):
         return "invalid_spec"  # e.g. prompts plus responses longer than the model's context
     return "internal_error"
+
+
+def _cpu_out_of_memory(error: BaseException) -> bool:
+    """torch's allocation failure on a CPU: a RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text)
 
 
 def _raised_in_from_pretrained(error: BaseException) -> bool:

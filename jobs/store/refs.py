@@ -23,8 +23,9 @@ from typing import Any
 from huggingface_hub import try_to_load_from_cache
 from sqlalchemy.orm import Session
 
+from engine.builtin import TINY_CONFIG, TINY_MODEL
 from engine.hub import is_hub_id
-from engine.model_refs import ModelNotFoundError, chat_template_saved, resolve_model_ref
+from engine.model_refs import ModelNotFoundError, chat_template_saved, context_saved, resolve_model_ref
 from jobs.store import crud
 
 _JOB_REF = re.compile(r"^job:([A-Za-z0-9_-]+)(?:@(\d+))?$")
@@ -41,8 +42,8 @@ class SpecReferenceError(ValueError):
     """The spec field, e.g. ``model`` or ``hyperparameters.ptx_dataset``."""
     code: str
     """``job_not_found``, ``job_not_succeeded``, ``checkpoint_not_found``, ``wrong_job_type``,
-    ``file_not_found``, ``wrong_file_purpose``, ``local_path_refused``, ``hub_model_unavailable`` or
-    ``chat_template_missing``."""
+    ``file_not_found``, ``wrong_file_purpose``, ``local_path_refused``, ``hub_model_unavailable``,
+    ``chat_template_missing``, ``dataset_too_small`` or ``exceeds_context``."""
     message: str
 
     def __str__(self) -> str:
@@ -74,7 +75,47 @@ def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], art
             session, project_id, "hyperparameters.ptx_dataset", ptx, "sft", artifacts
         )
     _check_chat_template(session, project_id, spec, resolved["model"])
+    _check_sizes(session, project_id, spec, resolved["model"])
     return resolved
+
+
+def _check_sizes(session: Session, project_id: str, spec: dict[str, Any], model: str) -> None:
+    """What can be told before a worker loads anything: a batch larger than the uploaded dataset, and sequences
+    longer than the model's context (when its config is at hand)."""
+    hp = spec.get("hyperparameters", {})
+    ref = spec.get("dataset")
+    file = crud.get_file(session, file_id=ref, project_id=project_id) if ref and _FILE_ID.match(ref) else None
+    if file is not None and "batch_size" in hp and file.rows < hp["batch_size"]:
+        raise SpecReferenceError(
+            "hyperparameters.batch_size",
+            "dataset_too_small",
+            f"batch_size is {hp['batch_size']}, and {ref} has {file.rows} rows: fewer than one batch",
+        )
+    context = _context_of(model)
+    if context is None:
+        return
+    lengths = {"hyperparameters.max_length": hp.get("max_length")} if spec["type"] != "ppo" else {
+        "hyperparameters.response_length": hp.get("max_prompt_length", 0) + hp.get("response_length", 0)}  # fmt: skip
+    if spec["type"] == "ppo" and hp.get("ptx_coef", 0) > 0:
+        lengths["hyperparameters.max_length"] = hp.get("max_length")
+    for param, tokens in lengths.items():
+        if isinstance(tokens, int) and tokens > context:
+            what = "max_prompt_length + response_length" if param.endswith("response_length") else "max_length"
+            raise SpecReferenceError(
+                param, "exceeds_context", f"{what} is {tokens} tokens; the model attends to {context} positions"
+            )
+
+
+def _context_of(model: str) -> int | None:
+    """The resolved ``model``'s context length, when its config can be read here."""
+    if model == TINY_MODEL:
+        return int(TINY_CONFIG["n_positions"])
+    if model.startswith("builtin:") or is_hub_id(model):
+        return None
+    try:
+        return context_saved(Path(resolve_model_ref(model)))
+    except (ModelNotFoundError, OSError, ValueError):
+        return None
 
 
 def _check_chat_template(session: Session, project_id: str, spec: dict[str, Any], model: str) -> None:

@@ -364,6 +364,8 @@ def raised(f: Callable[[], None]) -> BaseException:
         (TrainingCollapseError("training collapse at step 8 (kl_jump); on_collapse is stop"), "training_collapse"),
         (torch.cuda.OutOfMemoryError("CUDA out of memory"), "out_of_memory"),
         (MemoryError(), "out_of_memory"),
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 6 GB"), "out_of_memory"),
+        (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory"), "out_of_memory"),
         (ValueError("max_new_tokens + a one-token prompt (200 tokens) exceeds the model's context"), "invalid_spec"),
         (OSError(28, "No space left on device"), "internal_error"),
         (RuntimeError("boom"), "internal_error"),

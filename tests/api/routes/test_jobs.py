@@ -246,6 +246,26 @@ def test_chat_files_need_a_model_with_a_chat_template(
         assert ok.status_code == 201, ok.text
 
 
+def test_what_cannot_fit_is_refused_at_submit(client: TestClient) -> None:
+    """A batch larger than the uploaded dataset, and sequences longer than the model's context, are 422s naming
+    the field instead of jobs that hold a worker and fail there."""
+    rows = [{"prompt": f"p{i}", "completion": "c"} for i in range(10)]
+    small = client.post("/v1/files", files={"file": ("d.jsonl", jsonl(rows))}, data={"purpose": "sft"}).json()["id"]
+    cases = [
+        ({**SFT_SPEC, "dataset": small, "hyperparameters": {"batch_size": 16}}, "hyperparameters.batch_size",
+         "dataset_too_small"),
+        ({**SFT_SPEC, "hyperparameters": {"max_length": 1024}}, "hyperparameters.max_length", "exceeds_context"),
+        ({**PPO_SPEC, "hyperparameters": {"response_length": 65536}}, "hyperparameters.response_length",
+         "exceeds_context"),
+    ]  # fmt: skip
+    for spec, param, code in cases:
+        response = client.post("/v1/jobs", json=spec)
+        assert response.status_code == 422, response.text
+        assert (error_of(response)["code"], error_of(response)["param"]) == (code, param)
+    fits = {**SFT_SPEC, "dataset": small, "hyperparameters": {"batch_size": 10, "max_length": 128}}
+    assert client.post("/v1/jobs", json=fits).status_code == 201
+
+
 def test_idempotency_key(client: TestClient, calls: Calls, settings: Settings) -> None:
     key = {"Idempotency-Key": "retry-me"}
     first = client.post("/v1/jobs", json=SFT_SPEC, headers=key)
