@@ -43,7 +43,7 @@ class SpecReferenceError(ValueError):
     code: str
     """``job_not_found``, ``job_not_succeeded``, ``checkpoint_not_found``, ``wrong_job_type``,
     ``file_not_found``, ``wrong_file_purpose``, ``local_path_refused``, ``hub_model_unavailable``,
-    ``chat_template_missing``, ``dataset_too_small`` or ``exceeds_context``."""
+    ``chat_template_missing`` or ``exceeds_context``."""
     message: str
 
     def __str__(self) -> str:
@@ -75,22 +75,14 @@ def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], art
             session, project_id, "hyperparameters.ptx_dataset", ptx, "sft", artifacts
         )
     _check_chat_template(session, project_id, spec, resolved["model"])
-    _check_sizes(session, project_id, spec, resolved["model"])
+    _check_sizes(spec, resolved["model"])
     return resolved
 
 
-def _check_sizes(session: Session, project_id: str, spec: dict[str, Any], model: str) -> None:
-    """What can be told before a worker loads anything: a batch larger than the uploaded dataset, and sequences
-    longer than the model's context (when its config is at hand)."""
+def _check_sizes(spec: dict[str, Any], model: str) -> None:
+    """What can be told before a worker loads anything: sequences longer than the model's context (when its
+    config is at hand)."""
     hp = spec.get("hyperparameters", {})
-    ref = spec.get("dataset")
-    file = crud.get_file(session, file_id=ref, project_id=project_id) if ref and _FILE_ID.match(ref) else None
-    if file is not None and "batch_size" in hp and file.rows < hp["batch_size"]:
-        raise SpecReferenceError(
-            "hyperparameters.batch_size",
-            "dataset_too_small",
-            f"batch_size is {hp['batch_size']}, and {ref} has {file.rows} rows: fewer than one batch",
-        )
     context = _context_of(model)
     if context is None:
         return
