@@ -66,77 +66,71 @@ def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], art
         resolved["reward_model"] = _model(
             session, project_id, "reward_model", spec["reward_model"], ("rm",), artifacts, model_root, hub_downloads
         )
+    chat_fields: list[tuple[str, str]] = []  # (field, file) of the datasets holding chat rows
     for field in ("dataset", "eval_dataset"):
         if spec.get(field):
-            resolved[field] = _dataset(session, project_id, field, spec[field], job_type, artifacts)
+            resolved[field], chat = _dataset(session, project_id, field, spec[field], job_type, artifacts)
+            chat_fields += [(field, spec[field])] if chat else []
     ptx = resolved["hyperparameters"].get("ptx_dataset")
     if ptx:
-        resolved["hyperparameters"]["ptx_dataset"] = _dataset(
-            session, project_id, "hyperparameters.ptx_dataset", ptx, "sft", artifacts
+        param = "hyperparameters.ptx_dataset"
+        resolved["hyperparameters"]["ptx_dataset"], chat = _dataset(session, project_id, param, ptx, "sft", artifacts)
+        chat_fields += [(param, ptx)] if chat else []
+    if chat_fields and _has_chat_template(resolved["model"]) is False:
+        # Chat rows need a model whose tokenizer has a chat template: refused here when that tokenizer is at hand
+        # (built-in, a job's or a folder's, a cached hub model); otherwise the worker finds out.
+        param, ref = chat_fields[0]
+        raise SpecReferenceError(
+            param,
+            "chat_template_missing",
+            f"{ref} holds chat messages, and the tokenizer of {spec['model']!r} has no chat template to render "
+            "them with; upload plain-text rows, or train a model whose tokenizer has a chat template",
         )
-    _check_chat_template(session, project_id, spec, resolved["model"])
-    _check_sizes(spec, resolved["model"])
+    _check_context(spec, resolved["model"])
     return resolved
 
 
-def _check_sizes(spec: dict[str, Any], model: str) -> None:
-    """What can be told before a worker loads anything: sequences longer than the model's context (when its
-    config is at hand)."""
-    hp = spec.get("hyperparameters", {})
-    context = _context_of(model)
+def _check_context(spec: dict[str, Any], model: str) -> None:
+    """Sequences longer than the resolved ``model``'s context, when its config is at hand: refused before a
+    worker loads anything."""
+    folder = _model_folder(model)
+    context = int(TINY_CONFIG["n_positions"]) if model == TINY_MODEL else context_saved(folder) if folder else None
     if context is None:
         return
-    lengths = {"hyperparameters.max_length": hp.get("max_length")} if spec["type"] != "ppo" else {
-        "hyperparameters.response_length": hp.get("max_prompt_length", 0) + hp.get("response_length", 0)}  # fmt: skip
-    if spec["type"] == "ppo" and hp.get("ptx_coef", 0) > 0:
-        lengths["hyperparameters.max_length"] = hp.get("max_length")
-    for param, tokens in lengths.items():
+    hp = spec.get("hyperparameters", {})
+    lengths = {"hyperparameters.max_length": ("max_length", hp.get("max_length"))}
+    if spec["type"] == "ppo":
+        total = hp.get("max_prompt_length", 0) + hp.get("response_length", 0)
+        lengths = {"hyperparameters.response_length": ("max_prompt_length + response_length", total)}
+        if hp.get("ptx_coef", 0) > 0:
+            lengths["hyperparameters.max_length"] = ("max_length", hp.get("max_length"))
+    for param, (what, tokens) in lengths.items():
         if isinstance(tokens, int) and tokens > context:
-            what = "max_prompt_length + response_length" if param.endswith("response_length") else "max_length"
             raise SpecReferenceError(
                 param, "exceeds_context", f"{what} is {tokens} tokens; the model attends to {context} positions"
             )
 
 
-def _context_of(model: str) -> int | None:
-    """The resolved ``model``'s context length, when its config can be read here."""
-    if model == TINY_MODEL:
-        return int(TINY_CONFIG["n_positions"])
-    if model.startswith("builtin:") or is_hub_id(model):
+def _model_folder(model: str) -> Path | None:
+    """The folder holding a resolved ``model``'s config and tokenizer, when it is at hand here: a job's or a local
+    folder, or a hub model in this process's Hugging Face cache; None for builtin models and anything else."""
+    if model.startswith("builtin:"):
         return None
+    if is_hub_id(model):
+        config = try_to_load_from_cache(model, "config.json")
+        return Path(config).parent if isinstance(config, str) else None
     try:
-        return context_saved(Path(resolve_model_ref(model)))
+        return Path(resolve_model_ref(model))
     except (ModelNotFoundError, OSError, ValueError):
         return None
-
-
-def _check_chat_template(session: Session, project_id: str, spec: dict[str, Any], model: str) -> None:
-    """Chat datasets need a model whose tokenizer has a chat template: refused here when the model's tokenizer
-    is at hand (built-in, a job's or a folder's, a cached hub model); otherwise the worker finds out."""
-    fields = {"dataset": spec.get("dataset"), "eval_dataset": spec.get("eval_dataset"),
-              "hyperparameters.ptx_dataset": spec.get("hyperparameters", {}).get("ptx_dataset")}  # fmt: skip
-    for param, ref in fields.items():
-        file = crud.get_file(session, file_id=ref, project_id=project_id) if ref and _FILE_ID.match(ref) else None
-        if file is not None and file.chat and _has_chat_template(model) is False:
-            raise SpecReferenceError(
-                param,
-                "chat_template_missing",
-                f"{ref} holds chat messages, and the tokenizer of {spec['model']!r} has no chat template to render "
-                "them with; upload plain-text rows, or train a model whose tokenizer has a chat template",
-            )
 
 
 def _has_chat_template(model: str) -> bool | None:
     """Whether the resolved ``model``'s tokenizer has a chat template; None when it cannot be told here."""
     if model.startswith("builtin:"):
         return False  # the built-in tokenizer has none
-    if is_hub_id(model):
-        config = try_to_load_from_cache(model, "tokenizer_config.json")
-        return chat_template_saved(Path(config).parent) if isinstance(config, str) else None
-    try:
-        return chat_template_saved(Path(resolve_model_ref(model)))
-    except (ModelNotFoundError, OSError, ValueError):
-        return None
+    folder = _model_folder(model)
+    return chat_template_saved(folder) if folder else None
 
 
 def _model(
@@ -209,9 +203,10 @@ def _local_path(param: str, ref: str, model_root: Path | None) -> str:
     return str(path)  # whether a model is there is for the worker to find out (model_not_found)
 
 
-def _dataset(session: Session, project_id: str, param: str, ref: str, kind: str, artifacts: Path) -> str:
+def _dataset(session: Session, project_id: str, param: str, ref: str, kind: str, artifacts: Path) -> tuple[str, bool]:
+    """The dataset's path, and whether its rows are chat messages."""
     if ref.startswith("builtin:"):
-        return ref
+        return ref, False
     if not _FILE_ID.match(ref):
         raise SpecReferenceError(
             param,
@@ -225,4 +220,4 @@ def _dataset(session: Session, project_id: str, param: str, ref: str, kind: str,
         raise SpecReferenceError(
             param, "wrong_file_purpose", f"{ref} holds {file.purpose} rows; a {kind} file is needed"
         )
-    return str(artifacts / file.path)
+    return str(artifacts / file.path), file.chat
