@@ -87,10 +87,10 @@ class Settings(BaseSettings):
             scheme, _, path = url.partition(":///")
             if not scheme.endswith("sqlite") or not path:
                 continue
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
             for store in (Path(path), Path(f"{path}-wal"), Path(f"{path}-shm")):
-                if store == Path(path) or store.exists():
-                    os.close(os.open(store, os.O_WRONLY | os.O_CREAT, 0o600))
-                    os.chmod(store, 0o600)  # a store an earlier version created readable by all
+                if store.exists():
+                    store.chmod(0o600)  # a store an earlier version created readable by all
 
     def check(self) -> None:
         """Refuse development defaults in production."""

@@ -44,6 +44,11 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 _chains: dict[tuple[str, bool], dict[str, Path]] = {}
+EVERY_CHAIN = pytest.mark.parametrize(
+    ("arch", "lora"),
+    [(arch, lora) for arch in ARCHITECTURES for lora in (False, True)],
+    ids=[f"{arch}-{'lora' if lora else 'full'}" for arch in ARCHITECTURES for lora in (False, True)],
+)
 
 
 def chain(arch: str, lora: bool, data: dict[str, Path], root: Path) -> dict[str, Path]:
@@ -71,8 +76,7 @@ def chain(arch: str, lora: bool, data: dict[str, Path], root: Path) -> dict[str,
     return jobs
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@EVERY_CHAIN
 def test_sft_rm_ppo_chain_trains_and_every_checkpoint_loads_in_transformers(
     arch: str, lora: bool, data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -90,8 +94,7 @@ def test_sft_rm_ppo_chain_trains_and_every_checkpoint_loads_in_transformers(
     assert (final_model_dir(jobs["ppo"], "value") / "config.json").is_file()
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@EVERY_CHAIN
 def test_reward_model_scores_the_same_in_plain_transformers(
     arch: str, lora: bool, data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
