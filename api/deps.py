@@ -1,7 +1,6 @@
 """Dependency-injection aliases for the routes: settings, a database session, the caller's project,
 and the two ways work leaves the API (enqueue a job, wait for a generation), both replaceable in tests."""
 
-import hmac
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Annotated, Any
 
@@ -9,13 +8,12 @@ import anyio
 from anyio.lowlevel import RunVar
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
 from jobs.store import crud
 from jobs.store.db import session_scope
-from jobs.store.models import ApiKey, Project
+from jobs.store.models import Project
 from jobs.store.settings import Settings
 
 Enqueue = Callable[[str, str], None]
@@ -66,22 +64,6 @@ MAX_KEY_CHARS = 256
 """Longer bearer tokens are refused unhashed (keys the service issues have 49 characters)."""
 
 
-def project_for_key(session: Session, key: str) -> Project | None:
-    """The project of an unrevoked key, or None.
-
-    Keys are stored only as SHA-256 digests and found by digest. The database's ``=`` on the indexed digest is
-    not constant-time, but what it compares is the digest of the presented key, which a caller cannot steer
-    byte by byte: how long the lookup takes says nothing usable about any stored key. The accept decision is
-    then made here with ``hmac.compare_digest`` (constant time in the compared bytes), so it never rests on a
-    database comparison that may be looser than byte equality (case-insensitive collations, blank padding).
-    """
-    digest = crud.hash_key(key)
-    row = session.scalars(select(ApiKey).where(ApiKey.key_hash == digest, ApiKey.revoked_at.is_(None))).first()
-    if row is None or not hmac.compare_digest(row.key_hash.encode(), digest.encode()):
-        return None
-    return session.get(Project, row.project_id)
-
-
 def get_current_project(
     session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Project:
@@ -90,7 +72,7 @@ def get_current_project(
     if credentials is None:
         raise ApiError(401, "invalid_api_key", "missing API key: send 'Authorization: Bearer <key>'", headers=challenge)
     key = credentials.credentials
-    project = project_for_key(session, key) if len(key) <= MAX_KEY_CHARS else None
+    project = crud.project_for_key(session, key=key) if len(key) <= MAX_KEY_CHARS else None
     if project is None:
         raise ApiError(401, "invalid_api_key", "the API key is not valid", headers=challenge)
     return project

@@ -14,13 +14,13 @@ from fastapi.openapi.utils import get_openapi
 from api.deps import Enqueue, Generate, reject_unknown_query
 from api.errors import error_responses, install_error_handlers
 from api.queue import celery_enqueue, celery_generate
-from api.recovery import RecoveryThread
 from api.routes import dashboard, files, generate, health, jobs, stream
 from api.routes import openai as openai_routes
 from api.routes.files import remove_stale_uploads
 from api.uploads import BodySizeLimit
 from engine.config import JobSpec
 from jobs.celery_app import celery_app, make_celery
+from jobs.recovery import RecoveryThread
 from jobs.store.settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)

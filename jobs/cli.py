@@ -1,8 +1,12 @@
-"""The ``rlhf`` command.
+"""The ``rlhf`` command: its arguments, and which module runs each command.
 
 Server:  rlhf serve | rlhf api | rlhf worker --queues train | rlhf db upgrade | rlhf keys create
 Client:  rlhf submit SPEC | rlhf jobs list|get|cancel|pause|resume | rlhf logs JOB --follow | rlhf generate JOB PROMPT
 Local:   rlhf train SPEC --out DIR | rlhf generate --model DIR --prompt TEXT | rlhf demo [--local]
+
+The processes of ``rlhf serve`` are supervised by jobs/supervisor.py, the database and keys prepared by
+jobs/store/bootstrap.py; the client commands are in jobs/client.py, the local ones in engine/cli.py, and the
+demo through the server in jobs/demo.py.
 """
 
 import argparse
@@ -10,54 +14,16 @@ import ipaddress
 import json
 import logging
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 from engine import cli as engine_cli
-from jobs.client import KEY_FILE, SERVER_FILE, Client, ClientError
-from jobs.store import bootstrap, crud
-from jobs.store.db import session_scope
-from jobs.store.settings import Settings, get_settings
-
-log = logging.getLogger("rlhf")
-
+from jobs import client, supervisor
+from jobs.client import KEY_FILE, ClientError
+from jobs.store import bootstrap
+from jobs.store.settings import get_settings
 
 # --- server ------------------------------------------------------------------------------------
-
-
-def upgrade_database(settings: Settings) -> None:
-    from jobs.store.migrate import upgrade
-
-    settings.prepare_data_dir()
-    upgrade(settings.resolved_database_url)
-
-
-def ensure_key_file(settings: Settings) -> None:
-    """First start: create the ``default`` project and a key, written to ``data_dir/api-key`` (mode 0600)."""
-    key_file = settings.data_dir / KEY_FILE
-    if key_file.exists():
-        with session_scope(settings.resolved_database_url) as session:
-            if crud.project_for_key(session, key=key_file.read_text().strip()):
-                return
-    key = bootstrap.create_key(settings, bootstrap.DEFAULT_PROJECT)
-    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
-    log.info("a new API key for project %r is in %s", bootstrap.DEFAULT_PROJECT, key_file)
-
-
-def orphaned_jobs_to_queue(settings: Settings) -> None:
-    """Embedded mode owns every worker: jobs left running by a previous run expire now and get requeued."""
-    from sqlalchemy import update
-
-    from jobs.store.models import ACTIVE_STATUSES, Job, utcnow
-
-    with session_scope(settings.resolved_database_url) as session:
-        session.execute(update(Job).where(Job.status.in_(ACTIVE_STATUSES)).values(lease_until=utcnow()))
 
 
 def is_loopback(host: str) -> bool:
@@ -88,49 +54,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     settings = get_settings()
     allow_remote = args.allow_remote or settings.allow_remote
     check_bind_address(args.host, allow_remote)
-    upgrade_database(settings)
-    ensure_key_file(settings)
-    orphaned_jobs_to_queue(settings)
-    url = f"http://{args.host}:{args.port}"
-    env = {**os.environ, "RLHF_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
-    commands = {
-        "api": [sys.executable, "-m", "jobs.cli", "api", "--host", args.host, "--port", str(args.port)]
-        + (["--allow-remote"] if allow_remote else []),
-        "train worker": [sys.executable, "-m", "jobs.cli", "worker", "--queues", "train"],
-        "inference worker": [sys.executable, "-m", "jobs.cli", "worker", "--queues", "inference"],
-    }
-    children = {name: subprocess.Popen(cmd, env=env) for name, cmd in commands.items()}
-    server_file = data_dir / SERVER_FILE
-    server_file.write_text(json.dumps({"url": url, "pid": os.getpid()}))
-    print(f"rlhf serving at {url} (data in {data_dir}; API key in {data_dir / KEY_FILE}); Ctrl-C stops", flush=True)
-
-    stopping = False
-
-    def stop(signum: int, _frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        while not stopping:
-            for name, child in children.items():
-                if child.poll() is not None and not stopping:
-                    print(f"{name} exited with {child.returncode}; restarting it", file=sys.stderr, flush=True)
-                    children[name] = subprocess.Popen(commands[name], env=env)
-            time.sleep(0.5)
-    finally:
-        for child in children.values():
-            if child.poll() is None:
-                child.terminate()
-        deadline = time.monotonic() + 10
-        for child in children.values():
-            try:
-                child.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-        server_file.unlink(missing_ok=True)
-        print("rlhf stopped", flush=True)
+    bootstrap.upgrade_database(settings)
+    bootstrap.ensure_key_file(settings, data_dir / KEY_FILE)
+    bootstrap.orphaned_jobs_to_queue(settings)
+    supervisor.serve(data_dir, host=args.host, port=args.port, allow_remote=allow_remote)
 
 
 def cmd_api(args: argparse.Namespace) -> None:
@@ -152,7 +79,7 @@ def cmd_worker(args: argparse.Namespace) -> None:
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> None:
-    upgrade_database(get_settings())
+    bootstrap.upgrade_database(get_settings())
     print("database at the newest revision")
 
 
@@ -160,68 +87,7 @@ def cmd_keys_create(args: argparse.Namespace) -> None:
     print(json.dumps({"project": args.project, "api_key": bootstrap.create_key(get_settings(), args.project)}))
 
 
-# --- client ------------------------------------------------------------------------------------
-
-
-def client(args: argparse.Namespace) -> Client:
-    return Client.discover(get_settings(), args.url, args.api_key)
-
-
-def cmd_submit(args: argparse.Namespace) -> None:
-    spec = engine_cli.read_spec(args.spec)
-    engine_cli.parse_spec(spec, str(args.spec))  # the same validation the server does, before any upload
-    job = client(args).create_job(spec, args.idempotency_key)
-    print(json.dumps(job))
-    if args.follow:
-        follow(client(args), job["id"])
-
-
-def cmd_jobs(args: argparse.Namespace) -> None:
-    c = client(args)
-    if args.action == "list":
-        params = {k: v for k, v in (("status", args.status), ("type", args.type), ("limit", args.limit)) if v}
-        for job in c.request("GET", "/v1/jobs", params=params)["data"]:
-            print(f"{job['id']}  {job['type']:<4} {job['status']:<10} step {job['step']}/{job['total_steps'] or '?'}")
-        return
-    if args.job is None:
-        raise SystemExit(f"rlhf jobs {args.action} needs a job id")
-    if args.action == "get":
-        print(json.dumps(c.get_job(args.job), indent=2))
-    else:
-        print(json.dumps(c.request("POST", f"/v1/jobs/{args.job}/{args.action}")))
-
-
-def follow(c: Client, job_id: str, label: str | None = None) -> dict[str, Any]:
-    """Live progress bar and key metrics of a job from its SSE stream, until it ends; returns the job."""
-    job = c.get_job(job_id)
-    bar = engine_cli.ProgressBar(job["type"], label or job.get("name") or job_id)
-    started = False
-    try:
-        for message in c.stream(job_id):
-            if message.event in ("metrics", "status") and not started:
-                total = c.get_job(job_id)["total_steps"]
-                if total:
-                    bar.on_start(0, total)
-                    started = True
-            if message.event == "metrics" and started:
-                bar.on_metrics(message.data["step"], message.data["metrics"])
-            elif message.event == "event" and message.data["kind"] in ("warning", "error"):
-                bar.on_event(message.data["kind"], message.data["message"])
-    finally:
-        bar.close()
-    job = c.get_job(job_id)
-    error = f" ({job['error']['code']}: {job['error']['message']})" if job.get("error") else ""
-    print(f"{bar.label}: {job['status']} at step {job['step']}{error}", flush=True)
-    return job
-
-
-def cmd_logs(args: argparse.Namespace) -> None:
-    c = client(args)
-    if args.follow:
-        follow(c, args.job)
-        return
-    for event in c.request("GET", f"/v1/jobs/{args.job}/events", params={"limit": 100})["data"]:
-        print(f"{event['created_at']}  {event['kind']:<10} {event['message']}")
+# --- client and local ------------------------------------------------------------------------
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -230,20 +96,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
             raise SystemExit("rlhf generate --model DIR needs --prompt TEXT")
         engine_cli.cmd_generate(args)
         return
-    if args.job is None or not (args.prompt or args.prompt_text):
-        raise SystemExit("usage: rlhf generate JOB PROMPT [--checkpoint N], or rlhf generate --model DIR --prompt TEXT")
-    body = {
-        "prompts": (args.prompt or []) + ([args.prompt_text] if args.prompt_text else []),
-        "checkpoint": args.checkpoint,
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "seed": args.seed,
-        "score": args.score,
-    }
-    result = client(args).request("POST", f"/v1/jobs/{args.job}/generate", json=body)
-    for completion in result["completions"]:
-        print(json.dumps({"checkpoint": result["checkpoint"], **completion}))
+    client.cmd_generate(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -304,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("spec", type=Path)
     p.add_argument("--idempotency-key")
     p.add_argument("--follow", action="store_true", help="then show its progress until it ends")
-    p.set_defaults(func=cmd_submit)
+    p.set_defaults(func=client.cmd_submit)
 
     p = client_args(sub.add_parser("jobs", help="list, inspect, cancel, pause or resume jobs"))
     p.add_argument("action", choices=["list", "get", "cancel", "pause", "resume"])
@@ -312,12 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--status")
     p.add_argument("--type")
     p.add_argument("--limit", type=int)
-    p.set_defaults(func=cmd_jobs)
+    p.set_defaults(func=client.cmd_jobs)
 
     p = client_args(sub.add_parser("logs", help="a job's events, or its live progress with --follow"))
     p.add_argument("job")
     p.add_argument("--follow", action="store_true")
-    p.set_defaults(func=cmd_logs)
+    p.set_defaults(func=client.cmd_logs)
 
     p = client_args(sub.add_parser("generate", help="sample from a job's checkpoint (server) or a folder (--model)"))
     p.add_argument("job", nargs="?", help="job id (server)")

@@ -1,5 +1,7 @@
-"""A small HTTP client of the service, used by the ``rlhf`` command (submit, jobs, logs, generate, demo)."""
+"""A small HTTP client of the service, and the ``rlhf`` commands that use it: ``submit``, ``jobs``, ``logs`` and
+``generate JOB``. :func:`follow` shows a job's live progress (``--follow``, and the stages of ``rlhf demo``)."""
 
+import argparse
 import json
 import time
 from collections.abc import Iterator
@@ -9,7 +11,8 @@ from typing import Any
 
 import httpx
 
-from jobs.store.settings import Settings
+from engine import cli as engine_cli
+from jobs.store.settings import Settings, get_settings
 
 SERVER_FILE = "server.json"
 KEY_FILE = "api-key"
@@ -152,3 +155,86 @@ def parse_sse(lines: Iterator[str]) -> Iterator[SseMessage]:
                 data.append(value)
             elif field == "id":
                 event_id = value
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+
+def client_for(args: argparse.Namespace) -> Client:
+    """The client of the server named by the flags, the environment or ``rlhf serve``'s data folder."""
+    return Client.discover(get_settings(), args.url, args.api_key)
+
+
+def cmd_submit(args: argparse.Namespace) -> None:
+    spec = engine_cli.read_spec(args.spec)
+    engine_cli.parse_spec(spec, str(args.spec))  # the same validation the server does, before any upload
+    job = client_for(args).create_job(spec, args.idempotency_key)
+    print(json.dumps(job))
+    if args.follow:
+        follow(client_for(args), job["id"])
+
+
+def cmd_jobs(args: argparse.Namespace) -> None:
+    c = client_for(args)
+    if args.action == "list":
+        params = {k: v for k, v in (("status", args.status), ("type", args.type), ("limit", args.limit)) if v}
+        for job in c.request("GET", "/v1/jobs", params=params)["data"]:
+            print(f"{job['id']}  {job['type']:<4} {job['status']:<10} step {job['step']}/{job['total_steps'] or '?'}")
+        return
+    if args.job is None:
+        raise SystemExit(f"rlhf jobs {args.action} needs a job id")
+    if args.action == "get":
+        print(json.dumps(c.get_job(args.job), indent=2))
+    else:
+        print(json.dumps(c.request("POST", f"/v1/jobs/{args.job}/{args.action}")))
+
+
+def follow(c: Client, job_id: str, label: str | None = None) -> dict[str, Any]:
+    """Live progress bar and key metrics of a job from its SSE stream, until it ends; returns the job."""
+    job = c.get_job(job_id)
+    bar = engine_cli.ProgressBar(job["type"], label or job.get("name") or job_id)
+    started = False
+    try:
+        for message in c.stream(job_id):
+            if message.event in ("metrics", "status") and not started:
+                total = c.get_job(job_id)["total_steps"]
+                if total:
+                    bar.on_start(0, total)
+                    started = True
+            if message.event == "metrics" and started:
+                bar.on_metrics(message.data["step"], message.data["metrics"])
+            elif message.event == "event" and message.data["kind"] in ("warning", "error"):
+                bar.on_event(message.data["kind"], message.data["message"])
+    finally:
+        bar.close()
+    job = c.get_job(job_id)
+    error = f" ({job['error']['code']}: {job['error']['message']})" if job.get("error") else ""
+    print(f"{bar.label}: {job['status']} at step {job['step']}{error}", flush=True)
+    return job
+
+
+def cmd_logs(args: argparse.Namespace) -> None:
+    c = client_for(args)
+    if args.follow:
+        follow(c, args.job)
+        return
+    for event in c.request("GET", f"/v1/jobs/{args.job}/events", params={"limit": 100})["data"]:
+        print(f"{event['created_at']}  {event['kind']:<10} {event['message']}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    """``rlhf generate JOB PROMPT``: sample from a job's checkpoint on the server."""
+    if args.job is None or not (args.prompt or args.prompt_text):
+        raise SystemExit("usage: rlhf generate JOB PROMPT [--checkpoint N], or rlhf generate --model DIR --prompt TEXT")
+    body = {
+        "prompts": (args.prompt or []) + ([args.prompt_text] if args.prompt_text else []),
+        "checkpoint": args.checkpoint,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "score": args.score,
+    }
+    result = client_for(args).request("POST", f"/v1/jobs/{args.job}/generate", json=body)
+    for completion in result["completions"]:
+        print(json.dumps({"checkpoint": result["checkpoint"], **completion}))

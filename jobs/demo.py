@@ -19,8 +19,7 @@ import httpx
 
 from engine.builtin import DATASETS, reviews
 from engine.demo import EVAL_PROMPTS, TEMPERATURE, demo_specs
-from jobs.cli import follow
-from jobs.client import KEY_FILE, Client
+from jobs.client import KEY_FILE, Client, follow
 
 GENERATE_BATCH = 64
 

@@ -1,8 +1,8 @@
 """The Celery tasks, registered on ``jobs.celery_app.celery_app`` by name. Thin: they take ids, read
 the settings and call runner.py or inference.py, which hold the logic.
 
-Workers also recover jobs whose worker was lost: once when they start (a restarted embedded server
-resumes its jobs) and then every half lease from a background thread.
+Workers also recover jobs whose worker was lost (jobs/recovery.py): once when they start (a restarted
+embedded server resumes its jobs) and then every half lease from a background thread.
 
 A worker asked to stop (SIGTERM, Ctrl-C; Celery's warm shutdown waits for the running task) tells the
 runner, which stops the job after its current step with a checkpoint and hands it back to the queue; the
@@ -12,14 +12,13 @@ task then sends it again, for another worker (or this one's successor) to contin
 import logging
 import os
 import socket
-import threading
 from typing import Any
 
 from celery import Task
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from sqlalchemy.exc import DBAPIError
 
-from jobs import inference, runner
+from jobs import inference, recovery, runner
 from jobs.celery_app import GENERATE_TASK, RECOVER_TASK, RUN_JOB_TASK, TRAIN_QUEUE, celery_app, make_celery, send_job
 from jobs.store import crud
 from jobs.store.db import session_scope
@@ -89,46 +88,17 @@ def recover_expired() -> list[str]:
     return recover_and_enqueue(current_settings())
 
 
+def enqueue(job_id: str, queue: str) -> None:
+    """Send a job to the train workers of ``queue`` with this worker's Celery app."""
+    send_job(celery_app, job_id, queue)
+
+
 def recover_and_enqueue(settings: Settings) -> list[str]:
-    """Requeue jobs whose lease expired, then (after the commit) send them to the train queue."""
-    with session_scope(settings.resolved_database_url) as session:
-        requeued = crud.recover_expired(session, max_attempts=settings.max_attempts)
-    for job_id, queue in requeued:
-        send_job(celery_app, job_id, queue)
-    job_ids = [job_id for job_id, _ in requeued]
-    if job_ids:
-        log.warning("requeued %d job(s) whose worker was lost: %s", len(job_ids), ", ".join(job_ids))
-    return job_ids
+    """Requeue jobs whose lease expired, then (after the commit) send them to their train queues."""
+    return recovery.recover_once(settings, enqueue)
 
 
-class RecoveryLoop:
-    """Calls :func:`recover_and_enqueue` every ``interval_s`` from a daemon thread until stopped."""
-
-    def __init__(self, settings: Settings, interval_s: float) -> None:
-        self.settings = settings
-        self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rlhf-recovery", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            _recover_quietly(self.settings)
-
-
-def _recover_quietly(settings: Settings) -> None:
-    try:
-        recover_and_enqueue(settings)
-    except Exception:
-        log.exception("recovering expired jobs failed; trying again later")
-
-
-_recovery: RecoveryLoop | None = None
+_recovery: recovery.RecoveryThread | None = None
 
 
 @worker_ready.connect
@@ -137,8 +107,8 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     if getattr(sender, "app", None) is not celery_app:
         return
     settings = current_settings()
-    _recover_quietly(settings)
-    _recovery = RecoveryLoop(settings, max(1.0, settings.lease_seconds / 2))
+    _recovery = recovery.RecoveryThread(settings, enqueue, max(1.0, settings.lease_seconds / 2))
+    _recovery.sweep()
     _recovery.start()
 
 

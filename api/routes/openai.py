@@ -17,7 +17,6 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.deps import CurrentProject, GenerateDep, SessionDep
@@ -69,20 +68,8 @@ def _model_not_found(model: str, why: str = "") -> ApiError:
 
 
 def _list_models(session: Session, project: Project) -> ModelList:
-    jobs = list(
-        session.scalars(
-            select(Job)
-            .where(Job.project_id == project.id, Job.type.in_(GENERATING_TYPES))
-            .order_by(Job.created_at, Job.id)
-        )
-    )
-    checkpoints: dict[str, list[Checkpoint]] = {job.id: [] for job in jobs}
-    if jobs:
-        rows = session.scalars(
-            select(Checkpoint).where(Checkpoint.job_id.in_(list(checkpoints))).order_by(Checkpoint.step)
-        )
-        for row in rows:
-            checkpoints[row.job_id].append(row)
+    jobs = crud.list_jobs_of_types(session, project_id=project.id, job_types=GENERATING_TYPES)
+    checkpoints = crud.checkpoints_by_job(session, job_ids=[job.id for job in jobs])
     data = []
     for job in jobs:
         kept = checkpoints[job.id]

@@ -5,6 +5,7 @@ both run one job, and a late request cannot undo a final status.
 """
 
 import hashlib
+import hmac
 import secrets
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
@@ -65,12 +66,19 @@ def project_by_name(session: Session, *, name: str) -> Project | None:
 
 
 def project_for_key(session: Session, *, key: str) -> Project | None:
-    stmt = (
-        select(Project)
-        .join(ApiKey, ApiKey.project_id == Project.id)
-        .where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
-    )
-    return session.scalars(stmt).first()
+    """The project of an unrevoked key, or None.
+
+    Keys are stored only as SHA-256 digests and found by digest. The database's ``=`` on the indexed digest is
+    not constant-time, but what it compares is the digest of the presented key, which a caller cannot steer
+    byte by byte: how long the lookup takes says nothing usable about any stored key. The accept decision is
+    then made here with ``hmac.compare_digest`` (constant time in the compared bytes), so it never rests on a
+    database comparison that may be looser than byte equality (case-insensitive collations, blank padding).
+    """
+    digest = hash_key(key)
+    row = session.scalars(select(ApiKey).where(ApiKey.key_hash == digest, ApiKey.revoked_at.is_(None))).first()
+    if row is None or not hmac.compare_digest(row.key_hash.encode(), digest.encode()):
+        return None
+    return session.get(Project, row.project_id)
 
 
 # --- files -------------------------------------------------------------------------------------
@@ -163,6 +171,12 @@ def list_jobs(
     return _page(session, stmt, Job, project_id, after, limit)
 
 
+def list_jobs_of_types(session: Session, *, project_id: str, job_types: Sequence[str]) -> list[Job]:
+    """The project's jobs of these types, oldest first."""
+    stmt = select(Job).where(Job.project_id == project_id, Job.type.in_(list(job_types)))
+    return list(session.scalars(stmt.order_by(Job.created_at, Job.id)))
+
+
 PageRow = TypeVar("PageRow", Job, File)
 P = TypeVar("P")
 
@@ -225,6 +239,11 @@ def heartbeat(session: Session, *, job_id: str, worker: str, lease_seconds: int)
         .returning(Job.status)
     )
     return session.execute(stmt).scalar_one_or_none()
+
+
+def expire_active_leases(session: Session) -> None:
+    """End the lease of every running, pausing or cancelling job now: the next recovery takes them over."""
+    session.execute(update(Job).where(Job.status.in_(ACTIVE_STATUSES)).values(lease_until=utcnow()))
 
 
 def job_queue(job: Job) -> str:
@@ -300,6 +319,16 @@ def record_checkpoint(
 
 def list_checkpoints(session: Session, *, job_id: str) -> list[Checkpoint]:
     return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
+
+
+def checkpoints_by_job(session: Session, *, job_ids: Sequence[str]) -> dict[str, list[Checkpoint]]:
+    """The checkpoints of each of these jobs in step order (an empty list for a job without any)."""
+    by_job: dict[str, list[Checkpoint]] = {job_id: [] for job_id in job_ids}
+    if by_job:
+        stmt = select(Checkpoint).where(Checkpoint.job_id.in_(list(by_job))).order_by(Checkpoint.step)
+        for row in session.scalars(stmt):
+            by_job[row.job_id].append(row)
+    return by_job
 
 
 def get_checkpoint(session: Session, *, job_id: str, step: int | None) -> Checkpoint | None:

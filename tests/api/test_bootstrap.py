@@ -6,13 +6,13 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from jobs.cli import upgrade_database
 from jobs.store import crud
-from jobs.store.bootstrap import create_key, ensure_default_key
+from jobs.store.bootstrap import create_key, ensure_default_key, upgrade_database
 from jobs.store.db import session_scope
 from jobs.store.migrate import upgrade
 from jobs.store.settings import Settings
-from tests.api.conftest import SFT_SPEC, make_settings
+from tests.api.helpers import SFT_SPEC
+from tests.factories import make_settings
 
 
 def test_default_key_once_then_more_keys(tmp_path: Path) -> None:

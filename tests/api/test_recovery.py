@@ -6,10 +6,11 @@ from datetime import timedelta
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from api.recovery import recover_once
+from jobs.recovery import recover_once
 from jobs.store.models import utcnow
 from jobs.store.settings import Settings
-from tests.api.conftest import Db, Project
+from tests.api.helpers import Db
+from tests.factories import Project
 
 
 def expired(db: Db, project: Project, status: str, attempt: int = 1) -> str:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-from api.deps import project_for_key
 from engine.config import JobSpec
 from engine.models import load_causal_lm, load_tokenizer, save_model
 from engine.run import run_job as run_engine
@@ -77,7 +76,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         settings = Settings(data_dir=data_dir, database_url=None, artifacts_dir=None)
         key = (data_dir / KEY_FILE).read_text().strip()
         with db.session_scope(settings.resolved_database_url) as session:
-            project = project_for_key(session, key)
+            project = crud.project_for_key(session, key=key)
             assert project is not None
             project_id = project.id
             other_id = crud.create_project(session, name="other").id

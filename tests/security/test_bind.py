@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import jobs.cli
+import jobs.supervisor
 from jobs.cli import check_bind_address, is_loopback
 from jobs.store.settings import get_settings
 
@@ -101,7 +102,7 @@ def test_serve_starts_with_the_opt_in_and_passes_it_to_its_api(
         commands.append(command)
         raise Started
 
-    monkeypatch.setattr(jobs.cli.subprocess, "Popen", fake_popen)
+    monkeypatch.setattr(jobs.supervisor.subprocess, "Popen", fake_popen)
     args = ["serve", "--host", "0.0.0.0", "--data-dir", str(tmp_path / "server")]
     with pytest.raises(SystemExit, match="refusing"):
         jobs.cli.main(args)
