@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,12 +14,7 @@ import pytest
 from engine.builtin import DATASETS
 from jobs.client import Client, ClientError
 from jobs.demo import embedded_server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.helpers import free_port
 
 
 @pytest.fixture(scope="module")

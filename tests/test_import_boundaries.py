@@ -1,4 +1,5 @@
-"""DESIGN §1 import rules, checked in fresh interpreters and by reading the engine's source."""
+"""The import rules (the engine knows nothing of the service; the API and its Celery client load no torch),
+checked in fresh interpreters and by reading the engine's source."""
 
 import ast
 import subprocess

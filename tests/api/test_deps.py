@@ -6,7 +6,8 @@ from sqlalchemy import update
 
 from jobs.store.models import ApiKey, utcnow
 from jobs.store.settings import Settings
-from tests.api.conftest import Db, Project, error_of, new_project
+from tests.api.helpers import Db, error_of
+from tests.factories import Project, new_project
 
 
 def test_missing_key_is_401(app: FastAPI) -> None:

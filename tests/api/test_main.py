@@ -13,11 +13,12 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from tests.api.conftest import error_of, make_settings
+from tests.api.helpers import error_of
+from tests.factories import make_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# DESIGN §4, every method and path.
+# Every method and path of the README's API table.
 DESIGN_ROUTES = {
     ("post", "/v1/files"), ("get", "/v1/files"), ("get", "/v1/files/{file_id}"),
     ("post", "/v1/jobs"), ("get", "/v1/jobs"), ("get", "/v1/jobs/{job_id}"),

@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 from api.main import create_app
 from jobs.celery_app import RUN_JOB_TASK, TRAIN_QUEUE
 from jobs.store.settings import Settings
-from tests.api.conftest import REDIS_URL, SFT_SPEC, Db, Project, error_of, make_settings
+from tests.api.helpers import REDIS_URL, SFT_SPEC, Db, error_of
+from tests.factories import Project, make_settings
 from tests.services import unavailable
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from tests.api.conftest import Project, error_of, make_settings
+from tests.api.helpers import error_of
+from tests.factories import Project, make_settings
 
 
 def test_oversized_uploads_are_413(tmp_path: Path, database_url: str, project: Project) -> None:

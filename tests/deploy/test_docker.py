@@ -11,7 +11,6 @@ import importlib.metadata
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import httpx
 import pytest
 
 from jobs.store.settings import Settings
+from tests.helpers import free_port
 from tests.services import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -347,13 +347,6 @@ from jobs.cli import main
 
 main(sys.argv[1:])
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def test_the_api_image_commands_run_without_the_training_packages(tmp_path: Path) -> None:

@@ -15,8 +15,9 @@ from engine.models import load_scalar_model, load_tokenizer
 from engine.reward import sequence_scores
 from engine.rm import encode_pairs
 from engine.rows import ChatTemplateMissingError
-from tests.engine.conftest import Recorder, assert_all_finite, final_model_dir, make_spec, train
+from tests.engine.helpers import assert_all_finite, final_model_dir, make_spec, train
 from tests.models import ARCHITECTURES, build_model, chat_rows, write_jsonl
+from tests.recorder import Recorder
 
 LORA = {"r": 4, "alpha": 8}
 STEPS = {

@@ -21,7 +21,7 @@ from engine.models import (
 )
 from engine.reward import score_texts, sequence_scores
 from engine.rm import encode_pairs, pair_rewards
-from tests.engine.conftest import Pretrained, final_model_dir, make_spec, train
+from tests.engine.helpers import Pretrained, final_model_dir, make_spec, train
 from tests.models import BOS_TOKEN, build_model, chat_rows, write_jsonl
 
 PPO = {"total_steps": 2, "batch_size": 4, "mini_batch_size": 2, "ppo_epochs": 1, "response_length": 6}

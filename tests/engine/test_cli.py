@@ -11,7 +11,8 @@ import yaml
 from engine import cli
 from engine.checkpoint import JOB_FILE, SPEC_FILE, check_same_spec, list_checkpoints
 from engine.config import JobSpec
-from tests.engine.conftest import Recorder, make_spec, train
+from tests.engine.helpers import make_spec, train
+from tests.recorder import Recorder
 
 
 def rlhf(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -22,7 +22,8 @@ from engine.models import (
 )
 from engine.ops import truncate_after_stop
 from engine.rollout import response_logprobs
-from tests.engine.conftest import Recorder, make_spec, train
+from tests.engine.helpers import make_spec, train
+from tests.recorder import Recorder
 
 # --- JSONL datasets -------------------------------------------------------------------------------
 

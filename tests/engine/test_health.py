@@ -1,5 +1,5 @@
-"""Training-health alerts (seeds/003): the collapse monitor on hand-made metric sequences, and a real PPO run
-driven into collapse that warns, pauses before its anomalous step, or fails."""
+"""Training-health alerts (MOSS-RLHF's collapse signals): the collapse monitor on hand-made metric sequences, and
+a real PPO run driven into collapse that warns, pauses before its anomalous step, or fails."""
 
 import json
 import random
@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from engine.config import PPOConfig
 from engine.health import CollapseMonitor, TrainingCollapseError
-from tests.engine.conftest import Pretrained, Recorder, make_spec, train
+from tests.engine.helpers import Pretrained, make_spec, train
+from tests.recorder import Recorder
 
 # The builtin demo's PPO (python -m engine.cli demo: 40 steps of 64 prompts, lr 3e-5, kl_coef 0.05): a healthy
 # run whose reward and KL climb steadily, with the odd noisy step (KL 2.141 at step 35).

@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from engine.models import load_causal_lm, load_tokenizer
-from tests.engine.conftest import Pretrained, Recorder, load_weights, make_spec, train
+from tests.engine.helpers import Pretrained, load_weights, make_spec, train
+from tests.recorder import Recorder
 
 LORA = {"r": 4, "alpha": 8}
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from tests.engine.conftest import (
+from tests.engine.helpers import (
     PPO_METRICS,
     Pretrained,
     assert_all_finite,

@@ -1,4 +1,4 @@
-"""Pause, resume and cancel (DESIGN §3): an interrupted and resumed job ends exactly like an uninterrupted one."""
+"""Pause, resume and cancel: an interrupted and resumed job ends exactly like an uninterrupted one."""
 
 import json
 from pathlib import Path
@@ -8,16 +8,8 @@ import torch
 
 from engine.checkpoint import JOB_FILE
 from engine.config import JobSpec
-from tests.engine.conftest import (
-    EVAL_DATASETS,
-    Pretrained,
-    Recorder,
-    is_timing,
-    load_weights,
-    make_spec,
-    ppo_spec,
-    train,
-)
+from tests.engine.helpers import EVAL_DATASETS, Pretrained, is_timing, load_weights, make_spec, ppo_spec, train
+from tests.recorder import Recorder
 
 MODELS = {"sft": ("policy",), "rm": ("policy",), "ppo": ("policy", "value")}
 

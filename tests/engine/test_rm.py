@@ -9,7 +9,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from engine.data import load_rows
 from engine.models import load_scalar_model, load_tokenizer, resolve_model_ref
 from engine.rm import encode_pairs, evaluate_pairs
-from tests.engine.conftest import (
+from tests.engine.helpers import (
     RM_FIXTURE_STEPS,
     RM_METRICS,
     Pretrained,

@@ -10,7 +10,7 @@ from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.checkpoint import JOB_FILE, STATE_FILE
-from tests.engine.conftest import (
+from tests.engine.helpers import (
     EVAL_DATASETS,
     SFT_METRICS,
     Pretrained,

@@ -14,15 +14,14 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
@@ -31,9 +30,9 @@ from safetensors.torch import load_file
 from engine.checkpoint import STATE_FILE, list_checkpoints
 from jobs.client import Client
 from jobs.demo import embedded_server
+from tests.helpers import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
 # kombu's SQLAlchemy transport still uses a loader option SQLAlchemy 2.1 deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
 
@@ -72,24 +71,6 @@ if _plan_file:
 
     os.replace = _held_replace
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(condition: Callable[[], T], timeout: float, what: str, context: Callable[[], str] = str) -> T:
-    """Poll ``condition`` every 50 ms until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{context()}")
-        time.sleep(0.05)
 
 
 @dataclass

@@ -7,17 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from jobs.store import crud, db
-from tests.faults.conftest import (
+from tests.engine.helpers import Pretrained
+from tests.factories import create_job, new_project
+from tests.faults.helpers import (
     CHECKPOINT_EVERY,
     FINAL,
     KOMBU_SQLA_WARNING,
     PPO_STEPS,
     Backend,
-    Pretrained,
     Processes,
     checkpoint_steps,
-    create_job,
     describe_events,
     get_job,
     job_dir,
@@ -25,8 +24,8 @@ from tests.faults.conftest import (
     metric_rows,
     pretrained_jobs,
     wait_ready,
-    wait_until,
 )
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.filterwarnings(KOMBU_SQLA_WARNING)
 
@@ -46,10 +45,9 @@ def rank_processes() -> list[int]:
 
 
 def create_two_process_ppo_job(backend: Backend, pretrained: Pretrained) -> str:
-    with db.session_scope(backend.url) as session:
-        project_id = crud.create_project(session, name="ddp").id
+    project_id = new_project(backend.settings, "ddp").id
     spec = {**pretrained_jobs(backend, pretrained, project_id), "resources": {"num_processes": 2}}
-    return create_job(backend, spec, project_id)
+    return create_job(backend.settings, project_id, spec)
 
 
 def test_two_process_ppo_job_survives_its_worker_being_killed(

@@ -13,14 +13,14 @@ from sqlalchemy import select
 
 from jobs.store import crud, db
 from jobs.store.models import Job
-from tests.faults.conftest import (
+from tests.factories import create_job, new_project
+from tests.faults.helpers import (
     FINAL,
     HOST,
     KOMBU_SQLA_WARNING,
     Backend,
     Processes,
     claims,
-    create_job,
     describe_events,
     get_job,
     messages,
@@ -29,8 +29,8 @@ from tests.faults.conftest import (
     send_to,
     wait_finished,
     wait_ready,
-    wait_until,
 )
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.filterwarnings(KOMBU_SQLA_WARNING)
 
@@ -59,7 +59,7 @@ def sft_spec(steps: int, queue: str | None = None) -> dict[str, Any]:
 
 def submit(backend: Backend, spec: dict[str, Any]) -> str:
     """Create the job and send it to the queue its stored spec names, as the API does."""
-    job_id = create_job(backend, spec)
+    job_id = create_job(backend.settings, new_project(backend.settings, "faults").id, spec)
     send_to(backend, job_id, crud.job_queue(get_job(backend, job_id)))
     return job_id
 

@@ -5,7 +5,6 @@ faults."""
 
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,18 +16,18 @@ import pytest
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from engine.config import JobSpec
 from jobs import runner
 from jobs.client import KEY_FILE, Client
 from jobs.store import crud, db
 from jobs.store.bootstrap import DEFAULT_PROJECT
-from tests.faults.conftest import (
+from tests.engine.helpers import Pretrained
+from tests.factories import create_job, new_project
+from tests.faults.helpers import (
     FINAL,
     HOST,
     KOMBU_SQLA_WARNING,
     PPO_STEPS,
     Backend,
-    Pretrained,
     Process,
     Processes,
     Reference,
@@ -46,8 +45,8 @@ from tests.faults.conftest import (
     wait_finished,
     wait_for_step,
     wait_ready,
-    wait_until,
 )
+from tests.helpers import free_port, wait_until
 from tests.services import PG_ADMIN_URL
 
 pytestmark = pytest.mark.filterwarnings(KOMBU_SQLA_WARNING)
@@ -132,13 +131,9 @@ def test_a_claim_committed_unseen_still_runs_the_job(tmp_path: Path, monkeypatch
     """The connection drops after the claim's COMMIT went through but before its answer came: the retried
     claim finds the job already this worker's and runs it, rather than leaving it to a lease expiry."""
     backend = make_backend("sqlite", tmp_path / "data")
-    with db.session_scope(backend.url) as session:
-        project_id = crud.create_project(session, name="faults").id
     spec = {"type": "sft", "model": "builtin:tiny", "dataset": "builtin:reviews-sft",
             "hyperparameters": {"max_steps": 2, "batch_size": 4}}  # fmt: skip
-    stored = JobSpec.model_validate(spec).model_dump(mode="json")
-    with db.session_scope(backend.url) as session:
-        job_id = crud.create_job(session, project_id=project_id, spec=stored, idempotency_key=None)[0].id
+    job_id = create_job(backend.settings, new_project(backend.settings, "faults").id, spec)
     drops = [OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))]
 
     @contextmanager
@@ -157,12 +152,6 @@ def test_a_claim_committed_unseen_still_runs_the_job(tmp_path: Path, monkeypatch
 
 
 # --- fault 2 through rlhf serve ------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_serve(processes: Processes, backend: Backend, port: int) -> tuple[Process, Client]:

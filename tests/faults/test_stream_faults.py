@@ -13,15 +13,14 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import httpx
@@ -32,12 +31,12 @@ from api.routes.stream import Cursor, job_events
 from jobs.client import Client, ClientError, SseMessage, parse_sse
 from jobs.store import crud, db, migrate
 from jobs.store.models import utcnow
+from tests.helpers import free_port, wait_until
 from tests.services import postgres_database, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = "redis://127.0.0.1:6379/12"
 """A Redis database of this module's own (flushed before and after each test)."""
-T = TypeVar("T")
 # kombu's SQLAlchemy transport still uses a loader option SQLAlchemy 2.1 deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
 
@@ -64,24 +63,6 @@ def fresh_redis() -> Iterator[str]:
     finally:
         connection.flushdb()
         connection.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(condition: Callable[[], T], timeout: float, what: str, context: Callable[[], str] = str) -> T:
-    """Poll ``condition`` every 50 ms until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{context()}")
-        time.sleep(0.05)
 
 
 @dataclass

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from jobs.store.models import Job, utcnow
-from tests.faults.conftest import (
+from tests.engine.helpers import Pretrained
+from tests.faults.helpers import (
     CHECKPOINT_EVERY,
     FINAL,
     HOST,
@@ -15,7 +16,6 @@ from tests.faults.conftest import (
     MAX_ATTEMPTS,
     PPO_STEPS,
     Backend,
-    Pretrained,
     Process,
     Processes,
     Reference,
@@ -32,8 +32,8 @@ from tests.faults.conftest import (
     metrics_recorded_before,
     wait_finished,
     wait_ready,
-    wait_until,
 )
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.filterwarnings(KOMBU_SQLA_WARNING)
 

@@ -9,37 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.callbacks import Callbacks, StopRequest
 from engine.config import JobSpec
 from engine.run import run_job
 from jobs.distributed import RankFailure, run_distributed
+from tests.recorder import Recorder
 
 TIMING = ("time/", "throughput/")
 GLOBAL_BATCH = {"max_steps": 4, "batch_size": 8, "gradient_accumulation_steps": 2}
-
-
-class Recorder(Callbacks):
-    """Keeps what a job reports; asks for a pause once ``pause_at`` is reached."""
-
-    def __init__(self, pause_at: int | None = None) -> None:
-        self.metrics: dict[int, dict[str, float]] = {}
-        self.checkpoints: list[int] = []
-        self.starts: list[tuple[int, int]] = []
-        self.pause_at = pause_at
-
-    def on_start(self, start_step: int, total_steps: int) -> None:
-        self.starts.append((start_step, total_steps))
-
-    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        assert step not in self.metrics, f"step {step} reported twice"
-        self.metrics[step] = dict(metrics)
-
-    def on_checkpoint(self, step: int, path: Path, metrics: dict[str, float]) -> None:
-        assert path.is_dir()
-        self.checkpoints.append(step)
-
-    def should_stop(self) -> StopRequest | None:
-        return "pause" if self.pause_at is not None and max(self.metrics) >= self.pause_at else None
 
 
 def spec(job_type: str, processes: int, **hyperparameters: Any) -> JobSpec:
@@ -98,12 +74,12 @@ def test_sft_in_two_processes_trains_as_one_and_resumes_alike(tmp_path: Path) ->
     reference = one_process("sft", tmp_path / "one")
     two = tmp_path / "two"
 
-    first = Recorder(pause_at=2)
+    first = Recorder(stop_after=2)
     paused = run_distributed(spec("sft", 2), two, first, 2)
-    assert (paused.status, paused.step, first.checkpoints) == ("paused", 2, [2])
+    assert (paused.status, paused.step, first.checkpoint_steps()) == ("paused", 2, [2])
     second = Recorder()
     done = run_distributed(spec("sft", 2), two, second, 2)
-    assert (done.status, done.step, second.checkpoints, second.starts) == ("succeeded", 4, [4], [(2, 4)])
+    assert (done.status, done.step, second.checkpoint_steps(), second.starts) == ("succeeded", 4, [4], [(2, 4)])
     assert done.checkpoint == two / "checkpoints" / "step-4"
 
     assert_same_metrics({**first.metrics, **second.metrics}, reference.metrics)
@@ -116,7 +92,7 @@ def test_reward_model_in_two_processes_trains_as_one(tmp_path: Path) -> None:
     reference = one_process("rm", tmp_path / "one", lm_loss_coef=0.5)
     recorder = Recorder()
     result = run_distributed(spec("rm", 2, lm_loss_coef=0.5), tmp_path / "two", recorder, 2)
-    assert (result.status, result.step, recorder.checkpoints) == ("succeeded", 4, [2, 4])
+    assert (result.status, result.step, recorder.checkpoint_steps()) == ("succeeded", 4, [2, 4])
     assert_same_metrics(recorder.metrics, reference.metrics)
     assert_same_weights(tmp_path / "two", tmp_path / "one", lr=5e-4)
 

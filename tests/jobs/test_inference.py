@@ -11,7 +11,8 @@ from engine.reward import score_texts
 from jobs import inference, runner
 from jobs.inference import GenerateError, LRUCache
 from jobs.store.settings import Settings
-from tests.jobs.conftest import create_job, make_settings, new_project, sft_spec
+from tests.factories import create_job, make_settings, new_project
+from tests.jobs.helpers import LEASE_SECONDS, sft_spec
 
 PROMPTS = ["The food was", "Service here is", ""]
 
@@ -27,8 +28,8 @@ class Trained:
 @pytest.fixture(scope="session")
 def trained(sqlite_url: str, tmp_path_factory: pytest.TempPathFactory) -> Trained:
     """SFT (30 steps), a reward model on it (20 steps), and PPO from both (2 steps, a checkpoint each)."""
-    settings = make_settings(sqlite_url, tmp_path_factory.mktemp("inference"))
-    project_id = new_project(settings)
+    settings = make_settings(tmp_path_factory.mktemp("inference"), sqlite_url, lease_seconds=LEASE_SECONDS)
+    project_id = new_project(settings).id
     sft = create_job(
         settings,
         project_id,

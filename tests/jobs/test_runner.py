@@ -21,16 +21,15 @@ from jobs import runner
 from jobs.store import crud, db
 from jobs.store.models import utcnow
 from jobs.store.settings import Settings
+from tests.factories import create_job, make_settings, new_project
 from tests.hf_cache import use_cache
-from tests.jobs.conftest import (
+from tests.jobs.helpers import (
+    LEASE_SECONDS,
     checkpoint_steps,
-    create_job,
     disk_checkpoint_steps,
     events,
     get_job,
-    make_settings,
     metric_series,
-    new_project,
     set_status,
     sft_spec,
     status_changes,
@@ -187,7 +186,7 @@ def test_only_one_of_two_workers_claims_a_job(settings: Settings, project_id: st
 
 def test_lease_is_renewed_while_the_engine_is_busy(sqlite_settings: Settings) -> None:
     settings = sqlite_settings
-    job_id = create_job(settings, new_project(settings), sft_spec())
+    job_id = create_job(settings, new_project(settings).id, sft_spec())
     with db.session_scope(settings.resolved_database_url) as session:
         assert crud.claim_job(session, job_id=job_id, worker="w:1", lease_seconds=1)
     callbacks = runner.DbCallbacks(job_id, settings=settings, worker="w:1", out_dir=Path("unused"))
@@ -210,7 +209,7 @@ def test_lease_is_renewed_while_the_engine_is_busy(sqlite_settings: Settings) ->
 def test_metrics_survive_a_database_outage(sqlite_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     """Step 2's write fails through every retry; it is kept and committed with step 3's."""
     settings = sqlite_settings
-    job_id = create_job(settings, new_project(settings), sft_spec())
+    job_id = create_job(settings, new_project(settings).id, sft_spec())
     monkeypatch.setattr(runner, "DB_RETRY", runner.RetryPolicy(attempts=2, delay_s=0.01))
     add_metrics = crud.add_metrics
     failures: list[int] = []
@@ -233,8 +232,8 @@ def test_a_job_survives_postgresql_dropping_its_connections(
     postgresql_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As after a database restart: every connection of the pool is gone between two steps."""
-    settings = make_settings(postgresql_url, tmp_path)
-    job_id = create_job(settings, new_project(settings), sft_spec())
+    settings = make_settings(tmp_path, postgresql_url, lease_seconds=LEASE_SECONDS)
+    job_id = create_job(settings, new_project(settings).id, sft_spec())
 
     def drop_connections() -> None:
         with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
@@ -267,7 +266,7 @@ def test_non_finite_metrics_become_one_warning(settings: Settings, project_id: s
 
 def test_a_missing_dataset_file_fails_with_dataset_invalid(sqlite_settings: Settings) -> None:
     settings = sqlite_settings
-    project_id = new_project(settings)
+    project_id = new_project(settings).id
     with db.session_scope(settings.resolved_database_url) as session:
         file = crud.create_file(
             session, file_id=f"file-{project_id[-8:]}", project_id=project_id, filename="gone.jsonl",
@@ -292,7 +291,7 @@ def test_an_unexpected_errors_text_stays_in_the_log(
         raise RuntimeError("(psycopg.OperationalError) server closed [SQL: UPDATE jobs SET ...]")
 
     monkeypatch.setattr(runner, "run_engine", crash)
-    job_id = create_job(sqlite_settings, new_project(sqlite_settings), sft_spec())
+    job_id = create_job(sqlite_settings, new_project(sqlite_settings).id, sft_spec())
     assert runner.run_job(job_id, settings=sqlite_settings, worker="w:1") == "failed"
     job = get_job(sqlite_settings, job_id)
     assert job.error_code == "internal_error" and job.error_message is not None
@@ -301,9 +300,9 @@ def test_an_unexpected_errors_text_stays_in_the_log(
 
 
 def test_an_unknown_local_model_fails_with_model_not_found(sqlite_url: str, tmp_path: Path) -> None:
-    settings = make_settings(sqlite_url, tmp_path, model_root=tmp_path / "models")
+    settings = make_settings(tmp_path, sqlite_url, lease_seconds=LEASE_SECONDS, model_root=tmp_path / "models")
     (tmp_path / "models").mkdir()
-    job_id = create_job(settings, new_project(settings), sft_spec(model=str(tmp_path / "models" / "nope")))
+    job_id = create_job(settings, new_project(settings).id, sft_spec(model=str(tmp_path / "models" / "nope")))
 
     assert runner.run_job(job_id, settings=settings, worker="w:1") == "failed"
     assert get_job(settings, job_id).error_code == "model_not_found"
@@ -314,8 +313,8 @@ def test_a_hub_id_the_worker_does_not_have_fails_at_once(
 ) -> None:
     # Accepted while the API's cache had it, gone from the worker's: it fails before anything loads.
     use_cache(monkeypatch, tmp_path / "hf-cache")
-    settings = make_settings(sqlite_url, tmp_path, hub_downloads=False)
-    job_id = create_job(settings, new_project(settings), sft_spec(model="org/not-cached"))
+    settings = make_settings(tmp_path, sqlite_url, lease_seconds=LEASE_SECONDS, hub_downloads=False)
+    job_id = create_job(settings, new_project(settings).id, sft_spec(model="org/not-cached"))
 
     start = time.monotonic()
     assert runner.run_job(job_id, settings=settings, worker="w:1") == "failed"
@@ -327,7 +326,7 @@ def test_a_hub_id_the_worker_does_not_have_fails_at_once(
 
 def test_a_job_reference_to_an_unfinished_job_fails_with_invalid_spec(sqlite_settings: Settings) -> None:
     settings = sqlite_settings
-    project_id = new_project(settings)
+    project_id = new_project(settings).id
     unfinished = create_job(settings, project_id, sft_spec())
     job_id = create_job(settings, project_id, sft_spec(model=f"job:{unfinished}"))
 
@@ -367,7 +366,9 @@ def raised(f: Callable[[], None]) -> BaseException:
         (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 6 GB"), "out_of_memory"),
         (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory"), "out_of_memory"),
         (ValueError("max_new_tokens + a one-token prompt (200 tokens) exceeds the model's context"), "invalid_spec"),
-        (OSError(28, "No space left on device"), "internal_error"),
+        (OSError(28, "No space left on device"), "disk_full"),
+        (RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 308864 vs 308752"), "disk_full"),
+        (OSError(30, "Read-only file system"), "storage_not_writable"),
         (RuntimeError("boom"), "internal_error"),
     ],
 )

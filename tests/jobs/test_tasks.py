@@ -10,7 +10,8 @@ from jobs import runner, tasks
 from jobs.celery_app import GENERATE_TASK, INFERENCE_QUEUE, RECOVER_TASK, RUN_JOB_TASK, TRAIN_QUEUE, celery_app
 from jobs.store import crud, db
 from jobs.store.settings import Settings
-from tests.jobs.conftest import create_job, get_job, sft_spec
+from tests.factories import create_job
+from tests.jobs.helpers import get_job, sft_spec
 
 
 def test_tasks_are_registered_by_name_on_their_queues() -> None:

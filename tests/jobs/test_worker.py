@@ -20,7 +20,8 @@ from jobs.celery_app import GENERATE_TASK, RUN_JOB_TASK, make_celery
 from jobs.store import crud, db
 from jobs.store.settings import Settings
 from jobs.worker import keep_off_the_hub, worker_argv
-from tests.jobs.conftest import REDIS_URL, create_job, get_job, make_settings, new_project, sft_spec
+from tests.factories import create_job, make_settings, new_project
+from tests.jobs.helpers import LEASE_SECONDS, REDIS_URL, get_job, sft_spec
 from tests.services import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +72,7 @@ def wait_for_status(settings: Settings, job_id: str, statuses: set[str], process
 def exercise_worker(settings: Settings, tmp_path: Path) -> None:
     """A job left running by a dead worker is recovered at start; a job sent by name succeeds; generate
     answers through the inference queue."""
-    project_id = new_project(settings)
+    project_id = new_project(settings).id
     orphan = create_job(settings, project_id, sft_spec(hyperparameters={"max_steps": 2}))
     with db.session_scope(settings.resolved_database_url) as session:
         assert crud.claim_job(session, job_id=orphan, worker="dead:1", lease_seconds=-1)
@@ -101,7 +102,7 @@ def exercise_worker(settings: Settings, tmp_path: Path) -> None:
 
 
 def test_embedded_sqlite_broker(sqlite_url: str, tmp_path: Path) -> None:
-    settings = make_settings(sqlite_url, tmp_path / "data")
+    settings = make_settings(tmp_path / "data", sqlite_url, lease_seconds=LEASE_SECONDS)
     assert settings.resolved_broker_url.startswith("sqla+sqlite://")
     exercise_worker(settings, tmp_path)
 
@@ -112,7 +113,7 @@ def test_redis_broker_and_postgresql(postgresql_url: str, tmp_path: Path) -> Non
         connection.flushdb()
     except redis.ConnectionError as e:
         unavailable("Redis", e)
-    settings = make_settings(postgresql_url, tmp_path / "data", broker_url=REDIS_URL)
+    settings = make_settings(tmp_path / "data", postgresql_url, lease_seconds=LEASE_SECONDS, broker_url=REDIS_URL)
     try:
         exercise_worker(settings, tmp_path)
     finally:

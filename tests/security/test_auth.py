@@ -11,19 +11,19 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-import api.deps
 from api.main import create_app
 from jobs.store import crud
 from jobs.store.models import ApiKey
 from jobs.store.settings import Settings
-from tests.api.conftest import PPO_SPEC, SFT_SPEC, Calls, Db, Project, error_of, jsonl, make_settings
+from tests.api.helpers import PPO_SPEC, SFT_SPEC, Calls, Db, error_of, jsonl
+from tests.factories import Project, make_settings
 from tests.security.routes import DOCS, PUBLIC, concrete, dashboard_routes, every_route
 
 
 def test_the_route_table_is_what_this_file_expects(app: FastAPI) -> None:
     paths = {path for _, path in every_route(app)}
     assert paths >= PUBLIC | DOCS
-    assert len(every_route(app)) >= 16  # DESIGN §4: 16 operations; a new one is walked below automatically
+    assert len(every_route(app)) >= 16  # the README's 16 operations; a new one is walked below automatically
 
 
 @pytest.mark.parametrize(
@@ -90,19 +90,19 @@ def test_the_accept_decision_is_a_constant_time_comparison(
     app: FastAPI, project: Project, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     compared: list[tuple[bytes, bytes]] = []
-    real = api.deps.hmac.compare_digest
+    real = crud.hmac.compare_digest
 
     def spy(a: Any, b: Any) -> bool:
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(api.deps.hmac, "compare_digest", spy)
+    monkeypatch.setattr(crud.hmac, "compare_digest", spy)
     with TestClient(app, headers=project.headers) as client:
         assert client.get("/v1/jobs").status_code == 200
         digest = crud.hash_key(project.key).encode()
         assert compared == [(digest, digest)]
         # The decision rests on that comparison: were it to say no, the key would be refused.
-        monkeypatch.setattr(api.deps.hmac, "compare_digest", lambda a, b: False)
+        monkeypatch.setattr(crud.hmac, "compare_digest", lambda a, b: False)
         assert client.get("/v1/jobs").status_code == 401
 
 

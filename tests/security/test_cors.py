@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from api.main import create_app
 from jobs.store.settings import Settings
-from tests.api.conftest import Project, make_settings
+from tests.factories import Project, make_settings
 
 EVIL = "https://evil.example"
 DASHBOARD = "https://dashboard.example"

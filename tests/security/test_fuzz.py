@@ -43,7 +43,8 @@ from jobs.store import crud
 from jobs.store.db import engine_for, session_scope
 from jobs.store.migrate import upgrade
 from jobs.store.models import File, Job
-from tests.api.conftest import PPO_SPEC, RM_SPEC, SFT_SPEC, Db, make_settings, new_project
+from tests.api.helpers import PPO_SPEC, RM_SPEC, SFT_SPEC, Db
+from tests.factories import make_settings, new_project
 
 MAX_EXAMPLES = 150
 """Generated requests per operation (and per generation mode); the whole run stays well under 2 minutes."""

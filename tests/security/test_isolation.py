@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 
 from jobs.store import crud
 from jobs.store.settings import Settings
-from tests.api.conftest import PPO_SPEC, SFT_SPEC, Calls, Db, Project, error_of, jsonl, new_project
+from tests.api.helpers import PPO_SPEC, SFT_SPEC, Calls, Db, error_of, jsonl
+from tests.factories import Project, new_project
 from tests.security.routes import DOCS, PUBLIC, every_route
 
 SFT_ROW = {"prompt": "p", "completion": "c"}

@@ -13,7 +13,8 @@ from api.main import create_app
 from jobs.store import refs
 from jobs.store.db import session_scope
 from jobs.store.settings import Settings
-from tests.api.conftest import PPO_SPEC, SFT_SPEC, Calls, Project, error_of, make_settings
+from tests.api.helpers import PPO_SPEC, SFT_SPEC, Calls, error_of
+from tests.factories import Project, make_settings
 from tests.hf_cache import put_in_cache
 
 ROOT = Path(__file__).resolve().parents[2]

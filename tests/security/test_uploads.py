@@ -18,7 +18,8 @@ from fastapi.testclient import TestClient
 from api.main import create_app
 from jobs.store import crud
 from jobs.store.settings import Settings
-from tests.api.conftest import Db, Project, error_of, jsonl, make_settings
+from tests.api.helpers import Db, error_of, jsonl
+from tests.factories import Project, make_settings
 
 ROW = {"prompt": "a prompt", "completion": "a completion"}
 GIB = 1024**3

@@ -12,7 +12,8 @@ from api.main import create_app
 from api.routes.files import STALE_UPLOAD_SECONDS
 from jobs.store import crud
 from jobs.store.settings import Settings
-from tests.api.conftest import Db, Project, error_of, jsonl, new_project
+from tests.api.helpers import Db, error_of, jsonl
+from tests.factories import Project, new_project
 
 SFT_ROWS = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(3)]
 

@@ -6,7 +6,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.errors import ApiError
-from tests.api.conftest import PPO_SPEC, RM_SPEC, SFT_SPEC, Calls, Db, Project, error_of
+from tests.api.helpers import PPO_SPEC, RM_SPEC, SFT_SPEC, Calls, Db, error_of
+from tests.factories import Project
 
 
 def test_generate_sends_the_task_contract(client: TestClient, project: Project, db: Db, calls: Calls) -> None:

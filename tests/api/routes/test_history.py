@@ -2,7 +2,8 @@
 
 from fastapi.testclient import TestClient
 
-from tests.api.conftest import Db, Project, error_of
+from tests.api.helpers import Db, error_of
+from tests.factories import Project
 
 
 def test_metric_history_filters_and_downsampling(client: TestClient, project: Project, db: Db) -> None:

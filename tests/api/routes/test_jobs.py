@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 from api.main import create_app
 from jobs.store import crud
 from jobs.store.settings import Settings
-from tests.api.conftest import PPO_SPEC, RM_SPEC, SFT_SPEC, Calls, Db, Project, error_of, jsonl, new_project
+from tests.api.helpers import PPO_SPEC, RM_SPEC, SFT_SPEC, Calls, Db, error_of, jsonl
+from tests.factories import Project, new_project
 from tests.hf_cache import put_in_cache
 
 

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.api.conftest import PPO_SPEC, RM_SPEC, SFT_SPEC, Calls, Db, Project, error_of, new_project
+from tests.api.helpers import PPO_SPEC, RM_SPEC, SFT_SPEC, Calls, Db, error_of
+from tests.factories import Project, new_project
 
 
 def fake_answer(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from api.main import create_app
 from api.routes.stream import Cursor, job_events, sse
 from jobs.store.models import utcnow
 from jobs.store.settings import Settings
-from tests.api.conftest import Db, Project, error_of
+from tests.api.helpers import Db, error_of
+from tests.factories import Project
 
 
 @dataclass
