@@ -1,4 +1,4 @@
-"""One error envelope for every failure: ``{"error": {"code", "message", "param"}}`` (DESIGN §4).
+"""One error envelope for every failure: ``{"error": {"code", "message", "param"}}``, as OpenAI's API answers.
 
 Routes raise :class:`ApiError`; the handlers installed by :func:`install_error_handlers` also turn
 request validation errors, Starlette's HTTP errors and unexpected exceptions into the envelope.
@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import HYPERPARAMETERS, JobSpec, format_errors
+from jobs.store.storage import MESSAGES, storage_error
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ _CODES = {
     422: "invalid_request",
     500: "internal_error",
     503: "unavailable",
+    507: "disk_full",
 }
 MAX_LISTED_ERRORS = 10
 """A validation error's message lists this many problems at most."""
@@ -59,6 +61,8 @@ _DESCRIPTIONS = {
     422: "The request is invalid; `param` names the field at fault.",
     500: "An unexpected error.",
     503: "A service the request needs is unavailable.",
+    507: "The server cannot store what the request needs: its disk is full (`disk_full`) or its storage is not "
+    "writable (`storage_not_writable`).",
 }
 
 
@@ -179,9 +183,14 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error", exc_info=exc)
     # The server closes the connection after an unhandled error: say so, or a client reusing it meets a reset.
-    return error_response(500, "internal_error", "internal server error", headers={"Connection": "close"})
+    close = {"Connection": "close"}
+    problem = storage_error(exc)
+    if problem is not None:  # a full disk or a read-only folder: the user's request was fine
+        logger.error("storage refused a write (%s): %s", problem, exc)
+        return error_response(507, problem, MESSAGES[problem], headers=close)
+    logger.exception("unhandled error", exc_info=exc)
+    return error_response(500, "internal_error", "internal server error", headers=close)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -61,13 +61,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_api(args: argparse.Namespace) -> None:
-    import uvicorn
+    from api import server
 
     settings = get_settings()
     check_bind_address(args.host, args.allow_remote or settings.allow_remote)
     settings.check()
     settings.prepare_data_dir()
-    uvicorn.run("api.main:app", host=args.host, port=args.port, log_level="warning")
+    server.run(args.host, args.port)
 
 
 def cmd_worker(args: argparse.Namespace) -> None:

@@ -19,6 +19,7 @@ attempt: nothing was lost), and the task sends it to another worker.
 import gc
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
+from huggingface_hub import constants as hub_constants
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
@@ -37,15 +39,19 @@ from engine.checkpoint import list_checkpoints
 from engine.config import JobSpec, format_errors
 from engine.data import DatasetError
 from engine.health import TrainingCollapseError
+from engine.hub import is_hub_id
 from engine.loop import NonFiniteLossError
 from engine.models import ModelNotFoundError
 from engine.rows import ChatTemplateMissingError
 from engine.run import run_job as run_engine
 from jobs.distributed import RankFailure, run_distributed
+from jobs.downloads import DownloadStopped, HubDownloadError, download
 from jobs.store import crud, refs
 from jobs.store.db import session_scope
 from jobs.store.models import ACTIVE_STATUSES, utcnow
 from jobs.store.settings import Settings
+from jobs.store.storage import MESSAGES as STORAGE_MESSAGES
+from jobs.store.storage import storage_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -314,6 +320,8 @@ def error_code(error: BaseException) -> str:
         return "dataset_invalid"
     if isinstance(error, ModelNotFoundError) or (isinstance(error, OSError) and _raised_in_from_pretrained(error)):
         return "model_not_found"
+    if problem := storage_error(error):
+        return problem  # disk_full or storage_not_writable
     if isinstance(error, NonFiniteLossError):
         return "non_finite_loss"
     if isinstance(error, TrainingCollapseError):
@@ -396,10 +404,22 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
     except (refs.SpecReferenceError, ValidationError) as e:
         return _failure("invalid_spec", format_errors(e) if isinstance(e, ValidationError) else str(e))
     log.info("job %s: %s job starting in %s", job_id, spec.type, out_dir)
+    if settings.hub_downloads and not hub_constants.HF_HUB_OFFLINE:
+        try:
+            spec = _downloaded(spec, settings, callbacks)
+        except DownloadStopped as e:
+            return _stopped("cancelled" if e.request == "cancel" else "paused", 0, callbacks)
+        except HubDownloadError as e:
+            return _failure("hub_download_failed", str(e))
+        except ModelNotFoundError as e:
+            return _failure("model_not_found", str(e))
 
     # 3. train, resuming from the newest checkpoint in out_dir if there is one: in this process, or in
     #    resources.num_processes processes under torchrun
     processes = spec.resources.num_processes
+    if processes > _processors():
+        where = f"{_processors()} GPUs" if torch.cuda.is_available() else f"{_processors()} CPU cores"
+        return _failure("invalid_spec", f"resources.num_processes is {processes}, and this worker has {where}")
     try:
         if processes == 1:
             result = run_engine(spec, out_dir, callbacks)
@@ -416,18 +436,46 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
     log.info("job %s: %s at step %d", job_id, result.status, result.step)
     if result.status == "succeeded":
         return succeeded(result.step), None
-    if result.status == "paused" and callbacks.handing_back:
-        message = f"{callbacks.worker} is shutting down: stopped at step {result.step} with a checkpoint; requeued"
-        return handed_back(), ("info", message, {"step": result.step, "worker": callbacks.worker})
-    if result.status == "paused":
+    return _stopped(result.status, result.step, callbacks)
+
+
+def _stopped(status: str, step: int, callbacks: DbCallbacks) -> Ending:
+    """A job the engine (or a download) stopped on request at ``step``: ``paused`` or ``cancelled``."""
+    if status == "paused" and callbacks.handing_back:
+        message = f"{callbacks.worker} is shutting down: stopped at step {step} with a checkpoint; requeued"
+        return handed_back(), ("info", message, {"step": step, "worker": callbacks.worker})
+    if status == "paused":
         return paused(), None
     return cancelled(), None
+
+
+def _downloaded(spec: JobSpec, settings: Settings, callbacks: DbCallbacks) -> JobSpec:
+    """``spec`` with each hub id replaced by the folder it was downloaded to (jobs/downloads.py): the download can
+    be stopped and is bounded in time, which loading from the hub inside this process is not."""
+
+    def check() -> StopRequest | None:
+        callbacks.renew()  # the job's status now, and the lease kept while nothing else runs
+        return callbacks.should_stop()
+
+    folders: dict[str, str] = {}
+    for field in ("model", "reward_model"):
+        ref = getattr(spec, field)
+        if ref is None or not is_hub_id(ref) or ref in folders:
+            continue
+        callbacks.on_event("info", f"downloading {ref} from the Hugging Face hub", {"model": ref})
+        stall, timeout = settings.hub_stall_seconds, settings.hub_download_seconds
+        folders[ref] = download(ref, stall_s=stall, timeout_s=timeout, check=check)
+    return spec.model_copy(update={f: folders[getattr(spec, f)] for f in ("model", "reward_model")
+                                   if getattr(spec, f) in folders})  # fmt: skip
 
 
 def _failure(code: str, message: str) -> Ending:
     if code == "internal_error":  # not the user's to act on, and its text may hold SQL or paths: the log keeps it
         log.error("internal error: %s", message)
         message = "an unexpected error in the worker; the worker's log has the details"
+    elif code in STORAGE_MESSAGES:  # e.g. torch's "unexpected pos 308864 vs 308752" for a full disk
+        log.error("%s: %s", code, message)
+        message = STORAGE_MESSAGES[code]
     return failed(code, message), ("error", message, {"code": code})
 
 
@@ -443,6 +491,11 @@ def _resolved_spec(session: Session, job_id: str, settings: Settings) -> JobSpec
         hub_downloads=settings.hub_downloads,
     )
     return JobSpec.model_validate(resolved)
+
+
+def _processors() -> int:
+    """How many processes a job may train in on this machine: one per GPU, or per CPU core without one."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count() or 1
 
 
 def _status(session: Session, job_id: str) -> str:

@@ -19,7 +19,7 @@ from jobs.store import crud
 router = APIRouter(prefix="/files", tags=["files"])
 
 
-@router.post("", status_code=201, responses=error_responses(400))
+@router.post("", status_code=201, responses=error_responses(400, 507))
 def upload_file(
     session: SessionDep,
     settings: SettingsDep,

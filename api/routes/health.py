@@ -1,4 +1,5 @@
-"""``/healthz`` (the process answers) and ``/readyz`` (the database and the broker answer)."""
+"""``/healthz`` (the process answers) and ``/readyz`` (the database and the broker answer, and the storage takes
+files: the artifacts folder, and the data folder of an embedded SQLite database)."""
 
 import logging
 
@@ -10,6 +11,7 @@ from api.errors import ApiError, ErrorResponse
 from api.queue import check_broker
 from api.schemas import Health, Readiness
 from jobs.store.db import engine_for
+from jobs.store.storage import DISK_FULL, check_writable
 
 logger = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
@@ -35,9 +37,18 @@ def readyz(request: Request, settings: SettingsDep) -> Readiness:
         check_broker(request.app.state.celery)
     except Exception as e:
         failures["broker"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+    reasons = {name: "unreachable" for name in failures}
+    folders = {settings.resolved_artifacts_dir}
+    if settings.resolved_database_url.startswith("sqlite"):
+        folders.add(settings.data_dir.resolve())
+    for folder in sorted(folders):
+        problem = check_writable(folder, settings.min_free_bytes)
+        if problem is not None:
+            failures["storage"] = f"{folder}: {problem}"
+            reasons["storage"] = "full" if problem == DISK_FULL else "not writable"
     if failures:
         # The reasons go to the log only: this route answers without a key, and they name internal hosts.
         logger.warning("not ready: %s", failures)
-        message = "not ready: " + ", ".join(f"{name} unreachable" for name in failures)
+        message = "not ready: " + ", ".join(f"{name} {reason}" for name, reason in reasons.items())
         raise ApiError(503, "unavailable", message, param=",".join(failures))
-    return Readiness(checks={"database": "ok", "broker": "ok"})
+    return Readiness(checks={"database": "ok", "broker": "ok", "storage": "ok"})

@@ -74,7 +74,7 @@ def job_or_404(session: Session, project: Project, job_id: str) -> Job:
     responses={
         200: {"model": JobPublic, "description": "The job an earlier request with this Idempotency-Key created."},
         409: {"model": ErrorResponse, "description": "The Idempotency-Key was used with a different spec."},
-        **error_responses(400, 503),
+        **error_responses(400, 503, 507),
     },
 )
 def create_job(
@@ -109,6 +109,11 @@ def create_job(
         )
     except SpecReferenceError as e:
         raise ApiError(422, e.code, e.message, param=e.param) from None
+    processes = spec["resources"]["num_processes"]
+    if processes > settings.max_processes:
+        message = (f"{processes} processes asked; this server's workers train a job in at most "
+                   f"{settings.max_processes} (RLHF_MAX_PROCESSES)")  # fmt: skip
+        raise ApiError(422, "too_many_processes", message, param="resources.num_processes")
 
     job, created = _create_or_replay(session, project.id, spec, idempotency_key)
     if not created:

@@ -8,6 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -33,12 +34,21 @@ class Settings(BaseSettings):
     """Let workers download hub ids (``org/name``) from the Hugging Face hub: only where they have a network.
     Off: workers run with ``HF_HUB_OFFLINE=1``, and a job naming a hub id is accepted only when the model is in
     the Hugging Face cache the API sees (``HF_HOME``, to be shared with the workers), else refused at submit."""
+    hub_stall_seconds: float = 60
+    """A worker gives up downloading a hub model that adds no byte for this long (``hub_download_failed``)."""
+    hub_download_seconds: float = 2 * 3600
+    """A worker gives up downloading a hub model that takes longer than this in all (``hub_download_failed``)."""
+    max_processes: int = Field(default=8, ge=1)
+    """The most processes one job may train in (``resources.num_processes``), at most the GPUs of the largest
+    train worker: a spec asking for more is refused at submit (``too_many_processes``)."""
     lease_seconds: int = 120
     """How long a training worker's claim on a job lasts without a heartbeat."""
     max_attempts: int = 3
     """Runs of a job (the first plus retries after a lost worker) before it fails with ``worker_lost``."""
     inference_cache_size: int = 2
     """Checkpoints an inference worker keeps loaded (least recently used are evicted)."""
+    min_free_bytes: int = 256 * 1024 * 1024
+    """``/readyz`` answers not ready (``storage``) when the artifacts folder's disk has fewer free bytes."""
     max_upload_bytes: int = 200 * 1024 * 1024
     """Largest accepted dataset file."""
     max_line_bytes: int = 1024 * 1024

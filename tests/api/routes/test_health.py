@@ -5,14 +5,15 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from tests.api.conftest import error_of, make_settings
+from tests.api.helpers import error_of
+from tests.factories import make_settings
 
 
 def test_healthz_and_readyz(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz")  # the embedded SQLite broker in the test's data folder
     assert ready.status_code == 200, ready.text
-    assert ready.json() == {"status": "ok", "checks": {"database": "ok", "broker": "ok"}}
+    assert ready.json() == {"status": "ok", "checks": {"database": "ok", "broker": "ok", "storage": "ok"}}
 
 
 def test_readyz_names_what_is_down(tmp_path: Path, database_url: str) -> None:
