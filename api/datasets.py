@@ -1,4 +1,5 @@
-"""Torch-free validation of uploaded JSONL datasets (DESIGN §2), line by line, streaming.
+"""Torch-free validation of uploaded JSONL datasets (one JSON object a line, in the README's upload formats),
+line by line, streaming.
 
 Rows are checked by the engine's torch-free ``engine.rows``, with the same line numbers as the engine's
 reader (lines split at LF only, ``engine.rows.split_lines``), so a file the API accepts is one the engine reads.

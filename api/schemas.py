@@ -1,4 +1,4 @@
-"""Request and response bodies of the HTTP API (DESIGN §4). Job specs are ``engine.config.JobSpec``."""
+"""Request and response bodies of the HTTP API (the README's API table). Job specs are ``engine.config.JobSpec``."""
 
 import re
 from datetime import UTC, datetime

@@ -17,7 +17,8 @@ class Callbacks:
         """Training begins at ``start_step`` (0 for a fresh job, N when resuming from step N)."""
 
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """Metrics of 1-based optimizer step ``step``, keyed by the names of DESIGN §3."""
+        """Metrics of 1-based optimizer step ``step``, keyed by name (``loss/sft``, ``objective/kl``, ...: the
+        README lists them)."""
 
     def on_event(self, kind: str, message: str, data: dict[str, object] | None = None) -> None:
         """Something worth recording: ``warning``, ``eval``, ``info``."""

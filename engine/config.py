@@ -181,10 +181,11 @@ class PPOConfig(TrainConfig):
     eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
     """Use at most this many eval prompts (the first ones)."""
     on_collapse: Literal["off", "warn", "pause", "stop"] = "warn"
-    """What a collapse signal (seeds/003: a jump of reward or KL, a fall of perplexity, a blow-up of response
-    length; thresholds below) does: "warn" records a ``warning`` event per signal and trains on; "pause" also
-    ends the job paused without checkpointing the anomalous step, so its newest checkpoint is from before;
-    "stop" ends it failed (error code ``training_collapse``), also without that checkpoint; "off": no check."""
+    """What a collapse signal (MOSS-RLHF, arXiv:2307.04964 §2.1: a jump of reward or KL, a fall of perplexity, a
+    blow-up of response length; thresholds below) does: "warn" records a ``warning`` event per signal and trains
+    on; "pause" also ends the job paused without checkpointing the anomalous step, so its newest checkpoint is
+    from before; "stop" ends it failed (error code ``training_collapse``), also without that checkpoint; "off":
+    no check."""
     collapse_window: Annotated[int, Field(ge=2, le=1000)] = 20
     """Recent steps each collapse signal is compared with (their median)."""
     collapse_warmup: Annotated[int, Field(ge=1, le=1000)] = 5
@@ -293,7 +294,7 @@ _DATASET_REF = re.compile(r"^(builtin:[a-z0-9-]+|file-[A-Za-z0-9_-]+|[^\s\x00-\x
 
 
 class JobSpec(_Strict):
-    """The body of ``POST /v1/jobs`` (DESIGN §2) and of ``rlhf train SPEC``.
+    """The body of ``POST /v1/jobs`` and of ``rlhf train SPEC``.
 
     Unknown fields are refused at every level, so nothing outside this schema (``trust_remote_code``, for one)
     reaches the engine; models always load with ``trust_remote_code=False``.

@@ -1,4 +1,4 @@
-"""Training-health alerts for PPO: the collapse signals of seeds/003 (MOSS-RLHF, arXiv:2307.04964 §2.1).
+"""Training-health alerts for PPO: the collapse signals of MOSS-RLHF (arXiv:2307.04964 §2.1).
 
 A policy that found a shortcut in the reward model shows it in four curves at once, at the same step: the
 reward jumps, the KL to the reference jumps, the perplexity of its own samples falls (it became

@@ -1,4 +1,4 @@
-"""PPO for language models as a token-level MDP (DESIGN §3; Ziegler et al., arXiv:1909.08593;
+"""PPO for language models as a token-level MDP (Ziegler et al., arXiv:1909.08593;
 "The N implementation details of RLHF with PPO", summarize_from_feedback_details/ppo.py).
 
 One step = sample a batch of prompts, roll out, shape rewards, GAE, then ``ppo_epochs`` passes of
@@ -330,7 +330,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         if eval_prompts and (step == cfg.total_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             metrics.update(evaluate(eval_prompts))
 
-        # 8. collapse signals (seeds/003), from metrics every rank computed alike: each takes the same decision
+        # 8. collapse signals (MOSS-RLHF §2.1, engine/health.py), from metrics every rank computed alike: each
+        #    takes the same decision
         if cfg.on_collapse != "off" and (alerts := monitor.update(step, metrics)):
             for alert in alerts:
                 callbacks.on_event("warning", alert.message, alert.data())

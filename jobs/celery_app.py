@@ -1,6 +1,6 @@
 """The Celery application (torch-free: the API imports it to enqueue tasks by name).
 
-Long jobs (DESIGN §2): acks late and rejected on a lost worker so a crash redelivers the task, one
+Training jobs run for hours: acks late and rejected on a lost worker so a crash redelivers the task, one
 message prefetched per worker, results ignored for training (the jobs table is the truth), and a
 visibility timeout longer than any job so Redis never hands a running job to a second worker, and a
 worker that outlives a lost broker connection, its task included.

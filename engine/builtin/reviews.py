@@ -4,7 +4,7 @@ A prompt opens a review ("last night i saw the new thriller and it was"); a comp
 continues it with a few sentiment-bearing phrases. Everything is generated from a fixed
 seed, so every machine builds byte-identical datasets without a network.
 
-Datasets (rows as in DESIGN §2; each name has a held-out twin ending in ``-eval``):
+Datasets (rows in the upload formats of the README; each name has a held-out twin ending in ``-eval``):
 - ``reviews-sft``: ``{prompt, completion}``, half positive, half negative completions.
 - ``reviews-prefs``: ``{prompt, chosen, rejected}``, chosen has the higher sentiment
   balance. Besides clean positive-vs-negative pairs it holds mixed completions, so a reward
