@@ -315,15 +315,7 @@ def _lookup(session: Session, job_id: str, step: int | None, score: bool, settin
         if job.type != "ppo" or not job.spec.get("reward_model"):
             raise GenerateError(f"scores need a reward model, and job {job_id} ({job.type}) has none; only ppo jobs do")
         try:
-            resolved = refs.resolve_spec(
-                session,
-                project_id=job.project_id,
-                spec=job.spec,
-                artifacts=settings.resolved_artifacts_dir,
-                model_root=settings.model_root,
-                hub_downloads=settings.hub_downloads,
-            )
-            reward_model = resolve_model_ref(resolved["reward_model"])
+            reward_model = resolve_model_ref(refs.resolve_stored(session, job, settings)["reward_model"])
         except (refs.SpecReferenceError, ModelNotFoundError) as e:
             raise GenerateError(f"the reward model of job {job_id} is not available: {e}") from e
     return _Request(

@@ -482,15 +482,7 @@ def _failure(code: str, message: str) -> Ending:
 def _resolved_spec(session: Session, job_id: str, settings: Settings) -> JobSpec:
     job = crud.get_job(session, job_id=job_id)
     assert job is not None, f"job {job_id} disappeared"
-    resolved = refs.resolve_spec(
-        session,
-        project_id=job.project_id,
-        spec=job.spec,
-        artifacts=settings.resolved_artifacts_dir,
-        model_root=settings.model_root,
-        hub_downloads=settings.hub_downloads,
-    )
-    return JobSpec.model_validate(resolved)
+    return JobSpec.model_validate(refs.resolve_stored(session, job, settings))
 
 
 def _processors() -> int:

@@ -27,6 +27,8 @@ from engine.builtin import TINY_CONFIG, TINY_MODEL
 from engine.hub import is_hub_id
 from engine.model_refs import ModelNotFoundError, chat_template_saved, context_saved, resolve_model_ref
 from jobs.store import crud
+from jobs.store.models import Job
+from jobs.store.settings import Settings
 
 _JOB_REF = re.compile(r"^job:([A-Za-z0-9_-]+)(?:@(\d+))?$")
 _MAX_STEP = 2**31 - 1
@@ -88,6 +90,18 @@ def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], art
         )
     _check_context(spec, resolved["model"])
     return resolved
+
+
+def resolve_stored(session: Session, job: Job, settings: Settings) -> dict[str, Any]:
+    """:func:`resolve_spec` of a stored job's spec, under ``settings`` (a worker's, to run or score with it)."""
+    return resolve_spec(
+        session,
+        project_id=job.project_id,
+        spec=job.spec,
+        artifacts=settings.resolved_artifacts_dir,
+        model_root=settings.model_root,
+        hub_downloads=settings.hub_downloads,
+    )
 
 
 def _check_context(spec: dict[str, Any], model: str) -> None:
