@@ -37,6 +37,10 @@ K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
+LATEST_TRIES = 3
+"""Lookups of a job's latest checkpoint per request: a training job's retention may remove the one just found."""
+
+
 class GenerateError(ValueError):
     """A generate request that cannot be served: unknown job or checkpoint, a job type that does not
     generate, or scores asked of a job without a reward model."""
@@ -170,16 +174,23 @@ def generate(
     stop = list(stop or [])
     if not all(isinstance(s, str) and s for s in stop):
         raise GenerateError("stop must be a list of non-empty strings")
-    with session_scope(settings.resolved_database_url) as session:
-        request = _lookup(session, job_id, step, score, settings)
     policies.resize(settings.inference_cache_size)
     reward_models.resize(settings.inference_cache_size)
-    try:
-        return _generate(request, prompts, max_new_tokens, temperature, top_p, seed, n, stop, messages)
-    except GenerateError:
-        raise
-    except ValueError as e:  # a model that cannot be loaded; more tokens than the model's context
-        raise GenerateError(str(e)) from e
+    for attempt in range(1, LATEST_TRIES + 1):
+        with session_scope(settings.resolved_database_url) as session:
+            request = _lookup(session, job_id, step, score, settings)
+        try:
+            return _generate(request, prompts, max_new_tokens, temperature, top_p, seed, n, stop, messages)
+        except GenerateError:
+            raise
+        except ValueError as e:  # a model that cannot be loaded; more tokens than the model's context
+            if step is None and not request.policy_dir.exists() and attempt < LATEST_TRIES:
+                # "latest" lost to checkpoint retention between the lookup and the load: a newer one replaced it
+                log.info("job %s: checkpoint %d was removed while loading; asking for the latest again",
+                         job_id, request.step)  # fmt: skip
+                continue
+            raise GenerateError(str(e)) from e
+    raise AssertionError("unreachable")
 
 
 def _is_conversation(messages: Any) -> bool:

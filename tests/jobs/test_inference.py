@@ -3,13 +3,16 @@ through the runner once per session."""
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
+from sqlalchemy.orm import Session
 
 from engine.models import resolve_model_ref
 from engine.reward import score_texts
 from jobs import inference, runner
 from jobs.inference import GenerateError, LRUCache
+from jobs.store import crud, db
 from jobs.store.settings import Settings
 from tests.factories import create_job, make_settings, new_project
 from tests.jobs.helpers import LEASE_SECONDS, sft_spec
@@ -162,3 +165,31 @@ def test_lru_cache_evicts_the_least_recently_used() -> None:
         cache.get(key, lambda key=key: load(key))  # type: ignore[misc]
     assert loads == ["a", "b", "c", "b"]  # b was evicted by c, a stayed since it was used
     assert cache.stats() == {"hits": 2, "misses": 4, "size": 2, "capacity": 2}
+
+
+def test_latest_survives_checkpoint_retention_removing_it_during_the_request(
+    trained: Trained, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = trained.settings
+    job_id = create_job(settings, new_project(settings).id, sft_spec())  # checkpoints at steps 2 and 4
+    assert runner.run_job(job_id, settings=settings, worker="w:1") == "succeeded"
+    lookup = inference._lookup
+    lookups: list[int] = []
+
+    def racing_retention(session: Session, job_id: str, *args: Any) -> Any:
+        """The lookup finds step 4; then the job saves step 6 and its retention removes step 4."""
+        request = lookup(session, job_id, *args)
+        lookups.append(request.step)
+        if request.step == 4:
+            checkpoints = settings.resolved_artifacts_dir / "jobs" / job_id / "checkpoints"
+            (checkpoints / "step-4").rename(checkpoints / "step-6")
+            path = (checkpoints / "step-6").relative_to(settings.resolved_artifacts_dir).as_posix()
+            with db.session_scope(settings.resolved_database_url) as other:
+                crud.record_checkpoint(other, job_id=job_id, step=6, path=path, metrics={}, kept_steps=[2, 6])
+        return request
+
+    monkeypatch.setattr(inference, "_lookup", racing_retention)
+    answer = inference.generate(job_id, "latest", ["x"], max_new_tokens=2, settings=settings)
+    assert lookups == [4, 6] and answer["checkpoint"] == 6
+    with pytest.raises(GenerateError, match="step 4"):  # a step asked for by number is not replaced
+        inference.generate(job_id, 4, ["x"], max_new_tokens=2, settings=settings)
