@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from huggingface_hub import constants
+from huggingface_hub import constants, snapshot_download
 
 from engine.callbacks import StopRequest
 from engine.model_refs import ModelNotFoundError
@@ -66,6 +66,14 @@ def cache_bytes(ref: str) -> int:
     """Bytes this machine's Hugging Face cache holds for hub model ``ref``, partial downloads included."""
     folder = Path(constants.HF_HUB_CACHE) / f"models--{ref.replace('/', '--')}"
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file()) if folder.is_dir() else 0
+
+
+def cached_snapshot(ref: str) -> str | None:
+    """The snapshot folder of hub model ``ref`` in this machine's Hugging Face cache, if it is there."""
+    try:
+        return snapshot_download(ref, local_files_only=True)
+    except (OSError, ValueError):  # not cached (LocalEntryNotFoundError), or not a valid id
+        return None
 
 
 def download(
@@ -140,13 +148,13 @@ def _child_env() -> dict[str, str]:
 
 def main(ref: str) -> int:
     """The child: download ``ref``'s model files, print the snapshot folder; exit 3 if the hub has no such model."""
-    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
         info = HfApi().model_info(ref)
         files = model_files([sibling.rfilename for sibling in info.siblings or []])
-        folder = snapshot_download(ref, revision=info.sha, allow_patterns=files)
+        folder = snapshot_download(ref, allow_patterns=files)  # main, as from_pretrained: refs/main names it
     except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError) as e:
         why = "it is gated" if isinstance(e, GatedRepoError) else "it does not exist or is private"
         sys.stderr.write(f"the Hugging Face hub has no model {ref!r} to download ({why}): {str(e).splitlines()[0]}\n")

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine import generate as engine_generate
+from engine.hub import is_hub_id
 from engine.models import (
     ModelNotFoundError,
     load_causal_lm,
@@ -28,6 +29,7 @@ from engine.models import (
 )
 from engine.reward import score_texts
 from engine.rows import Text
+from jobs.downloads import cached_snapshot
 from jobs.store import crud, refs
 from jobs.store.db import session_scope
 from jobs.store.settings import Settings
@@ -327,6 +329,8 @@ def _lookup(session: Session, job_id: str, step: int | None, score: bool, settin
             raise GenerateError(f"scores need a reward model, and job {job_id} ({job.type}) has none; only ppo jobs do")
         try:
             reward_model = resolve_model_ref(refs.resolve_stored(session, job, settings)["reward_model"])
+            if is_hub_id(reward_model):  # the copy the job trained with: loading it asks no hub
+                reward_model = cached_snapshot(reward_model) or reward_model
         except (refs.SpecReferenceError, ModelNotFoundError) as e:
             raise GenerateError(f"the reward model of job {job_id} is not available: {e}") from e
     return _Request(

@@ -16,7 +16,7 @@ from huggingface_hub import constants
 
 from engine import checkpoint, hub
 from jobs import runner
-from jobs.downloads import model_files
+from jobs.downloads import cached_snapshot, model_files
 from jobs.store.models import Job
 from jobs.store.settings import Settings
 from tests.factories import create_job, make_settings, new_project
@@ -82,6 +82,10 @@ def test_a_job_trains_on_the_model_it_downloaded(
     assert any(f"/{REPO_ID}/resolve/" in request for request in served.requests)
     assert any(e.message == f"downloading {REPO_ID} from the Hugging Face hub" for e in events(settings, job_id))
     assert get_job(settings, job_id).spec["model"] == REPO_ID  # the stored spec keeps the hub id
+    # In the cache as from_pretrained leaves it (refs/main): found again offline, by the inference worker too.
+    snapshot = cached_snapshot(REPO_ID)
+    assert snapshot is not None and (Path(snapshot) / "model.safetensors").is_file()
+    assert cached_snapshot("someorg/never-downloaded") is None
 
 
 def test_a_model_the_hub_does_not_have_fails_with_model_not_found(
