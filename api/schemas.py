@@ -4,8 +4,10 @@ import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
+from engine.config import JOB_TYPES
+from engine.rows import KIND_ALIASES, ROW_FIELDS
 from jobs.store.models import Checkpoint, Event, File, Job
 
 
@@ -33,8 +35,23 @@ MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
 """Largest row id (a BIGINT column)."""
 
-Purpose = Literal["sft", "rm", "ppo"]
-JobType = Literal["sft", "rm", "ppo"]
+
+def _one_of(known: list[str], what: str) -> AfterValidator:
+    def check(value: str) -> str:
+        if value not in known:
+            raise ValueError(f"unknown {what} {value[:40]!r}; known: {', '.join(known)}")
+        return value
+
+    return AfterValidator(check)
+
+
+_PURPOSES = [*ROW_FIELDS, *KIND_ALIASES]
+Purpose = Annotated[str, _one_of(_PURPOSES, "purpose"), WithJsonSchema({"type": "string", "enum": _PURPOSES})]
+"""A dataset kind (engine.rows), or one of its earlier names ``rm`` and ``ppo``."""
+JobType = Annotated[
+    str, _one_of(list(JOB_TYPES), "job type"), WithJsonSchema({"type": "string", "enum": list(JOB_TYPES)})
+]
+"""A name of :data:`engine.config.JOB_TYPES`."""
 JobStatus = Literal["queued", "running", "cancelling", "cancelled", "pausing", "paused", "succeeded", "failed"]
 
 
@@ -68,6 +85,34 @@ class FilePublic(BaseModel):
 class FilesPublic(BaseModel):
     data: list[FilePublic]
     has_more: bool
+
+
+# --- job types ---------------------------------------------------------------------------------
+
+
+class JobTypePublic(BaseModel):
+    name: str
+    """The spec's ``type``."""
+    summary: str
+    dataset_kind: str
+    """What ``dataset`` and ``eval_dataset`` hold: a file ``purpose`` (sft, preference, prompts)."""
+    output: Literal["policy", "reward_model"]
+    generates: bool
+    """Whether its checkpoints sample text (generate, the OpenAI-compatible routes)."""
+    reward_model: bool
+    """Whether its spec names a ``reward_model``."""
+    metrics: list[str]
+    """Headline metrics, for charts."""
+    hyperparameters: dict[str, Any]
+    """Every hyperparameter with its default."""
+    builtin_datasets: list[str]
+    """Built-in datasets of its kind (the reviews task)."""
+    example: dict[str, Any]
+    """Its stage of the built-in demo: a spec less ``type``, ``model`` and ``reward_model``."""
+
+
+class JobTypesPublic(BaseModel):
+    data: list[JobTypePublic]
 
 
 # --- jobs --------------------------------------------------------------------------------------

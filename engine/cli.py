@@ -1,6 +1,6 @@
 """The ``rlhf`` command line: run jobs locally, without any server.
 
-rlhf demo [--out runs/demo]                 the built-in SFT → RM → PPO pipeline, with a before/after table
+rlhf demo [--out runs/demo] [--method dpo]  the built-in SFT → RM → PPO (or SFT → DPO) pipeline, before/after
 rlhf train SPEC.(yaml|json) --out DIR       one job; DIR gets checkpoints/step-N/, spec.json and job.json
            [--restart]                      start over in a DIR holding a run of another spec
 rlhf generate --model DIR --prompt TEXT     sample from a job folder, a checkpoint or any causal LM
@@ -18,21 +18,14 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from engine.callbacks import Callbacks
-from engine.config import JobSpec, format_errors
-
-# Key metrics shown next to the progress bar, per job type.
-PROGRESS_KEYS = {
-    "sft": ("loss/sft", "eval/loss"),
-    "rm": ("loss/rm", "rm/accuracy", "eval/accuracy"),
-    "ppo": ("objective/scores", "objective/kl", "response/length_mean"),
-}
+from engine.config import JOB_TYPES, JobSpec, format_errors
 
 
 class ProgressBar(Callbacks):
     """A tqdm bar with the job's key metrics; events are printed above it."""
 
     def __init__(self, job_type: str, label: str) -> None:
-        self.keys = PROGRESS_KEYS[job_type]
+        self.keys = JOB_TYPES[job_type].metrics[:3]  # the job type's headline metrics
         self.label = label
         self.bar: tqdm | None = None
         self.shown: dict[str, float] = {}
@@ -129,7 +122,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     quiet_transformers()
 
     started = time.perf_counter()
-    report = run_demo(args.out, train)
+    report = run_demo(args.out, train, args.method)
     print(f"\n{report.table()}\npipeline finished in {time.perf_counter() - started:.0f}s; jobs in {args.out}")
 
 
@@ -143,7 +136,11 @@ def quiet_transformers() -> None:
 
 def add_demo_command(sub: argparse._SubParsersAction, name: str = "demo") -> argparse.ArgumentParser:
     p = sub.add_parser(name, help="run the built-in SFT → RM → PPO pipeline in-process and compare before/after")
-    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="folder for the three jobs (default runs/demo)")
+    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="folder for the jobs (default runs/demo)")
+    methods = [name for name, info in JOB_TYPES.items() if info.generates and name != "sft"]
+    p.add_argument(
+        "--method", choices=methods, default="ppo", help="what trains the SFT model further (ppo: a reward model first)"
+    )
     p.set_defaults(func=cmd_demo)
     return p
 

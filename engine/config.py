@@ -6,6 +6,7 @@ once here with exact-division checks, so a bad spec fails before any model is lo
 """
 
 import re
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -20,8 +21,8 @@ from pydantic import (
 )
 
 from engine.builtin import DATASETS, TINY_MODEL
+from engine.rows import DatasetKind, dataset_kind
 
-JobType = Literal["sft", "rm", "ppo"]
 Scheduler = Literal["constant", "linear", "cosine"]
 
 
@@ -74,6 +75,15 @@ class TrainConfig(_Strict):
     max_length: Annotated[int, Field(ge=8, le=131_072)] = 128
     """Longest prompt + completion in tokens; longer examples are truncated from the left of the prompt."""
 
+    def process_shares(self, processes: int) -> dict[str, int]:
+        """Hyperparameter → what it must be a multiple of, for ``processes`` processes to take equal shares of
+        it in whole micro-batches."""
+        return {"batch_size": processes * self.gradient_accumulation_steps}
+
+    def token_lengths(self) -> dict[str, tuple[str, int]]:
+        """Field → (what, tokens) of the longest sequences the job forms: none may exceed the model's context."""
+        return {"hyperparameters.max_length": ("max_length", self.max_length)}
+
 
 class SFTConfig(TrainConfig):
     """Supervised fine-tuning: causal-LM loss on completion tokens only (prompt masked)."""
@@ -112,8 +122,95 @@ class RMConfig(SFTConfig):
     """Weight of an LM loss on the chosen completion (MOSS-RLHF, arXiv:2307.04964); 0 disables it."""
 
 
+class DPOConfig(SFTConfig):
+    """Direct preference optimisation: the policy learns the preference pairs against a frozen reference (the
+    starting policy; with LoRA the same weights with the adapters off), no reward model (arXiv:2305.18290)."""
+
+    learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-6
+    """Peak AdamW learning rate (small: the reference is where training starts)."""
+    epochs: Annotated[float, Field(gt=0, le=1000)] = 1.0
+    """Passes over the preference pairs; fractions allowed. Ignored when ``max_steps`` is set."""
+    beta: Annotated[float, Field(gt=0, le=100)] = 0.1
+    """Strength of the pull to the reference: the implicit reward is β × the log-ratio to it (IPO's τ)."""
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """``sigmoid``: DPO's -log σ(β h); ``ipo``: (h - 1/(2β))² on per-token mean log-probs (Azar et al.,
+    arXiv:2310.12036); ``hinge``: relu(1 - β h) (SLiC, arXiv:2305.10425); h is the chosen-minus-rejected
+    log-ratio margin to the reference."""
+    label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
+    """Conservative DPO: the probability that a pair's label is flipped (``sigmoid`` only)."""
+    sft_loss_coef: Annotated[float, Field(ge=0, le=100)] = 0.0
+    """Weight of the chosen completion's next-token loss added to the preference loss (RPO,
+    arXiv:2404.19733); 0 disables it."""
+
+    @model_validator(mode="after")
+    def _smoothing_with_sigmoid(self) -> "DPOConfig":
+        if self.label_smoothing > 0 and self.loss_type != "sigmoid":
+            raise ValueError(f"label_smoothing applies to loss_type sigmoid only, not {self.loss_type}")
+        return self
+
+
+class CollapseConfig(_Strict):
+    """PPO's collapse signals (MOSS-RLHF, arXiv:2307.04964 §2.1, engine/health.py): each step is compared with the
+    median of the recent ones for a jump of reward or KL, a fall of perplexity, a blow-up of response length."""
+
+    action: Literal["off", "warn", "pause", "stop"] = "warn"
+    """What a collapse signal (thresholds below) does: "warn" records a ``warning`` event per signal and trains
+    on; "pause" also ends the job paused without checkpointing the anomalous step, so its newest checkpoint is
+    from before; "stop" ends it failed (error code ``training_collapse``), also without that checkpoint; "off":
+    no check."""
+    window: Annotated[int, Field(ge=2, le=1000)] = 20
+    """Recent steps each collapse signal is compared with (their median)."""
+    warmup: Annotated[int, Field(ge=1, le=1000)] = 5
+    """Steps of history before the collapse signals are judged; at most ``window``."""
+    reward_z: Annotated[float, Field(gt=0, le=1e6)] | None = 6.0
+    """``reward_jump``: ``objective/scores`` more than this many spreads above its median, the spread being the
+    larger of the window's standard deviation and 1.4826 × its median absolute deviation (None: off)."""
+    kl_factor: Annotated[float, Field(gt=1, le=1e6)] | None = 3.0
+    """``kl_jump``: ``objective/kl`` at least this many times its median, and at least ``kl_min`` (None: off)."""
+    kl_min: Annotated[float, Field(ge=0, le=1e6)] = 5.0
+    """The smallest ``objective/kl`` (nats per sequence) a ``kl_jump`` is raised for: early in a healthy run KL
+    grows from 0 by many times its median (the built-in demo ends near 2 nats), while the collapses seen in
+    the prototype reached 21 and past 100."""
+    perplexity_ratio: Annotated[float, Field(gt=0, lt=1)] | None = 0.5
+    """``perplexity_collapse``: log ``response/perplexity`` below this fraction of its median's (0.5: a median
+    perplexity of 4 fell below 2), the policy became near-deterministic (None: off)."""
+    length_factor: Annotated[float, Field(gt=1, le=1000)] | None = 1.5
+    """``length_blowup``: ``response/length_mean`` at least this many times its median, or every response at
+    ``response_length`` while the median was below it (None: off)."""
+
+    @model_validator(mode="after")
+    def _warmup_within_window(self) -> "CollapseConfig":
+        if self.warmup > self.window:
+            raise ValueError(f"warmup ({self.warmup}) must be at most window ({self.window})")
+        return self
+
+
+COLLAPSE_FLAT_NAMES = {
+    "on_collapse": "action",
+    "collapse_window": "window",
+    "collapse_warmup": "warmup",
+    "collapse_reward_z": "reward_z",
+    "collapse_kl_factor": "kl_factor",
+    "collapse_kl_min": "kl_min",
+    "collapse_perplexity_ratio": "perplexity_ratio",
+    "collapse_length_factor": "length_factor",
+}
+"""PPOConfig's flat names of the collapse settings before they were grouped → their names in ``collapse``."""
+
+
 class PPOConfig(TrainConfig):
     """PPO with a KL penalty to a frozen reference (Ziegler et al., arXiv:1909.08593)."""
+
+    def process_shares(self, processes: int) -> dict[str, int]:
+        # batch_size prompts are rolled out split over the processes, then trained on in minibatches split likewise
+        return {"batch_size": processes, "mini_batch_size": processes * self.gradient_accumulation_steps}
+
+    def token_lengths(self) -> dict[str, tuple[str, int]]:
+        lengths = {"hyperparameters.response_length": ("max_prompt_length + response_length",
+                                                       self.max_prompt_length + self.response_length)}  # fmt: skip
+        if self.ptx_coef > 0:  # pretraining batches are max_length long
+            lengths["hyperparameters.max_length"] = ("max_length", self.max_length)
+        return lengths
 
     learning_rate: Annotated[float, Field(gt=0, le=1)] = 3e-5
     """Policy AdamW learning rate."""
@@ -180,32 +277,9 @@ class PPOConfig(TrainConfig):
     ``eval/scores``, ``eval/kl`` and ``eval/length_mean``."""
     eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
     """Use at most this many eval prompts (the first ones)."""
-    on_collapse: Literal["off", "warn", "pause", "stop"] = "warn"
-    """What a collapse signal (MOSS-RLHF, arXiv:2307.04964 §2.1: a jump of reward or KL, a fall of perplexity, a
-    blow-up of response length; thresholds below) does: "warn" records a ``warning`` event per signal and trains
-    on; "pause" also ends the job paused without checkpointing the anomalous step, so its newest checkpoint is
-    from before; "stop" ends it failed (error code ``training_collapse``), also without that checkpoint; "off":
-    no check."""
-    collapse_window: Annotated[int, Field(ge=2, le=1000)] = 20
-    """Recent steps each collapse signal is compared with (their median)."""
-    collapse_warmup: Annotated[int, Field(ge=1, le=1000)] = 5
-    """Steps of history before the collapse signals are judged; at most ``collapse_window``."""
-    collapse_reward_z: Annotated[float, Field(gt=0, le=1e6)] | None = 6.0
-    """``reward_jump``: ``objective/scores`` more than this many spreads above its median, the spread being the
-    larger of the window's standard deviation and 1.4826 × its median absolute deviation (None: off)."""
-    collapse_kl_factor: Annotated[float, Field(gt=1, le=1e6)] | None = 3.0
-    """``kl_jump``: ``objective/kl`` at least this many times its median, and at least ``collapse_kl_min``
-    (None: off)."""
-    collapse_kl_min: Annotated[float, Field(ge=0, le=1e6)] = 5.0
-    """The smallest ``objective/kl`` (nats per sequence) a ``kl_jump`` is raised for: early in a healthy run KL
-    grows from 0 by many times its median (the built-in demo ends near 2 nats), while the collapses seen in
-    the prototype reached 21 and past 100."""
-    collapse_perplexity_ratio: Annotated[float, Field(gt=0, lt=1)] | None = 0.5
-    """``perplexity_collapse``: log ``response/perplexity`` below this fraction of its median's (0.5: a median
-    perplexity of 4 fell below 2), the policy became near-deterministic (None: off)."""
-    collapse_length_factor: Annotated[float, Field(gt=1, le=1000)] | None = 1.5
-    """``length_blowup``: ``response/length_mean`` at least this many times its median, or every response at
-    ``response_length`` while the median was below it (None: off)."""
+    collapse: CollapseConfig = Field(default_factory=CollapseConfig)
+    """The collapse signals of MOSS-RLHF (arXiv:2307.04964 §2.1): what one does, and their thresholds. The flat
+    names of earlier versions (``on_collapse``, ``collapse_window``, ...) are accepted and moved in here."""
 
     @property
     def micro_batch_size(self) -> int:
@@ -225,11 +299,29 @@ class PPOConfig(TrainConfig):
             raise ValueError("ptx_dataset is required when ptx_coef > 0")
         if self.ptx_dataset is not None:
             _check_dataset_ref(self.ptx_dataset, "sft")
-        if self.collapse_warmup > self.collapse_window:
-            raise ValueError(
-                f"collapse_warmup ({self.collapse_warmup}) must be at most collapse_window ({self.collapse_window})"
-            )
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_collapse_settings(cls, data: Any) -> Any:
+        """Moves the flat names of the collapse settings (``on_collapse``, ``collapse_window``, ...) into the
+        ``collapse`` group; a setting given in both forms is an error."""
+        if not isinstance(data, dict) or not any(name in data for name in COLLAPSE_FLAT_NAMES):
+            return data
+        data = dict(data)
+        group = data.get("collapse", {})
+        if isinstance(group, CollapseConfig):
+            group = group.model_dump(exclude_unset=True)
+        if not isinstance(group, dict):
+            return data  # not an object: the field's own validation says so
+        group = dict(group)
+        for flat, name in COLLAPSE_FLAT_NAMES.items():
+            if flat in data:
+                if name in group:
+                    raise ValueError(f"{flat} and collapse.{name} are the same setting; give one of them")
+                group[name] = data.pop(flat)
+        data["collapse"] = group
+        return data
 
 
 class LoraSpec(_Strict):
@@ -287,7 +379,142 @@ class Resources(_Strict):
         return value
 
 
-HYPERPARAMETERS: dict[str, type[TrainConfig]] = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig}
+@dataclass(frozen=True)
+class JobTypeInfo:
+    """What the service knows of one job type: everything that differs by type is read from here.
+
+    Adding a type is its config class above, its entry in :data:`JOB_TYPES` and its training loop (the module
+    that ``trainer`` names); the API, the workers, the CLI, the demo and the dashboard follow the table.
+    """
+
+    summary: str
+    """One line for people (the dashboard, ``GET /v1/job_types``)."""
+    config: type[TrainConfig]
+    """The class of ``hyperparameters``."""
+    dataset: DatasetKind
+    """The kind of ``dataset`` and ``eval_dataset`` (engine.rows)."""
+    output: Literal["policy", "reward_model"]
+    """What it trains: a policy (it generates, and may start any job) or a reward model (it scores, and may start
+    a reward model or be a ``reward_model``)."""
+    trainer: str
+    """``module:function`` of its training loop, imported when a job runs (the table itself is torch-free)."""
+    metrics: tuple[str, ...]
+    """Headline metrics: the dashboard's charts, and the first three on the CLI's progress line."""
+    reward_model: bool = False
+    """Whether a ``reward_model`` is required (and allowed)."""
+    demo: dict[str, Any] = field(default_factory=dict)
+    """Its stage of ``rlhf demo`` on the built-in reviews task: the spec less ``type``, ``model`` and
+    ``reward_model`` (which the demo fills in); the dashboard's new-job form starts from it too."""
+
+    @property
+    def generates(self) -> bool:
+        """Whether its model samples text (a policy), rather than scoring it."""
+        return self.output == "policy"
+
+
+JOB_TYPES: dict[str, JobTypeInfo] = {
+    "sft": JobTypeInfo(
+        summary="supervised fine-tuning on prompt/completion pairs or conversations",
+        config=SFTConfig,
+        dataset="sft",
+        output="policy",
+        trainer="engine.sft:train_sft",
+        metrics=("loss/sft", "eval/loss"),
+        demo={
+            "dataset": "builtin:reviews-sft",
+            "eval_dataset": "builtin:reviews-sft-eval",
+            "hyperparameters": {
+                "epochs": 2,
+                "batch_size": 32,
+                "learning_rate": 3e-3,
+                "warmup_steps": 10,
+                "eval_every": 50,
+            },
+            "checkpoint_every": 1000,
+        },
+    ),
+    "rm": JobTypeInfo(
+        summary="a reward model from preference pairs (pairwise logistic loss on a scalar head)",
+        config=RMConfig,
+        dataset="preference",
+        output="reward_model",
+        trainer="engine.rm:train_rm",
+        metrics=("loss/rm", "rm/accuracy", "eval/accuracy", "rm/margin"),
+        demo={
+            "dataset": "builtin:reviews-prefs",
+            "eval_dataset": "builtin:reviews-prefs-eval",
+            "hyperparameters": {"epochs": 1, "batch_size": 32, "learning_rate": 1e-3, "eval_every": 25},
+            "checkpoint_every": 1000,
+        },
+    ),
+    "ppo": JobTypeInfo(
+        summary="PPO against a reward model, with a KL penalty to the starting policy",
+        config=PPOConfig,
+        dataset="prompts",
+        output="policy",
+        trainer="engine.ppo_train:train_ppo",
+        metrics=(
+            "objective/scores",
+            "objective/kl",
+            "response/length_mean",
+            "objective/kl_coef",
+            "loss/policy",
+            "loss/value",
+            "response/perplexity",
+            "policy/clipfrac",
+        ),
+        reward_model=True,
+        demo={
+            "dataset": "builtin:reviews-prompts",
+            "eval_dataset": "builtin:reviews-prompts-eval",
+            "hyperparameters": {
+                "total_steps": 40,
+                "batch_size": 64,
+                "mini_batch_size": 32,
+                "ppo_epochs": 2,
+                "learning_rate": 3e-5,
+                "temperature": 1.0,
+                "response_length": 24,
+                "kl_coef": 0.05,
+                "eval_every": 40,
+            },
+            "checkpoint_every": 10,
+        },
+    ),
+    "dpo": JobTypeInfo(
+        summary="direct preference optimisation of a policy on preference pairs, against a frozen reference",
+        config=DPOConfig,
+        dataset="preference",
+        output="policy",
+        trainer="engine.dpo_train:train_dpo",
+        metrics=(
+            "loss/dpo",
+            "rewards/accuracies",
+            "rewards/margins",
+            "eval/rewards/accuracies",
+            "rewards/chosen",
+            "rewards/rejected",
+            "logps/chosen",
+            "logps/rejected",
+        ),
+        demo={
+            "dataset": "builtin:reviews-prefs",
+            "eval_dataset": "builtin:reviews-prefs-eval",
+            "hyperparameters": {
+                "max_steps": 30,
+                "batch_size": 32,
+                "learning_rate": 2e-4,
+                "beta": 0.1,
+                "eval_every": 15,
+            },
+            "checkpoint_every": 1000,
+        },
+    ),
+}
+"""The job types, by the name a spec's ``type`` gives."""
+HYPERPARAMETERS: dict[str, type[TrainConfig]] = {name: info.config for name, info in JOB_TYPES.items()}
+GENERATING_TYPES = tuple(name for name, info in JOB_TYPES.items() if info.generates)
+"""The job types whose models generate (a reward model scores text)."""
 # A path or hub id is any run of printable characters without spaces.
 _MODEL_REF = re.compile(r"^(builtin:[a-z0-9-]+|job:[A-Za-z0-9_-]+(@\d+)?|[^\s\x00-\x1f\x7f\ud800-\udfff]+)$")
 _DATASET_REF = re.compile(r"^(builtin:[a-z0-9-]+|file-[A-Za-z0-9_-]+|[^\s\x00-\x1f\x7f\ud800-\udfff]+\.jsonl)$")
@@ -300,8 +527,8 @@ class JobSpec(_Strict):
     reaches the engine; models always load with ``trust_remote_code=False``.
     """
 
-    type: JobType
-    """Job type: sft, rm or ppo."""
+    type: Annotated[str, Field(json_schema_extra={"enum": list(JOB_TYPES)})]
+    """Job type: one of :data:`JOB_TYPES` (sft, rm, ppo)."""
     name: Annotated[str, Field(max_length=200), AfterValidator(_clean_text)] | None = None
     """Optional label."""
     model: Annotated[str, Field(min_length=1, max_length=500)]
@@ -327,6 +554,13 @@ class JobSpec(_Strict):
     resources: Resources = Field(default_factory=Resources)
     """The worker queue, and how many processes the job trains in."""
 
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        if value not in JOB_TYPES:
+            raise ValueError(f"unknown job type {value[:40]!r}; known: {', '.join(JOB_TYPES)}")
+        return value
+
     @field_validator("model", "reward_model")
     @classmethod
     def _model_ref(cls, value: str | None) -> str | None:
@@ -340,7 +574,7 @@ class JobSpec(_Strict):
     @classmethod
     def _dataset_kind(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is not None and "type" in info.data:
-            _check_dataset_ref(value, info.data["type"])
+            _check_dataset_ref(value, JOB_TYPES[info.data["type"]].dataset)
         return value
 
     @field_validator("hyperparameters")
@@ -370,11 +604,13 @@ class JobSpec(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _reward_model_for_ppo(self) -> "JobSpec":
-        if self.type == "ppo" and self.reward_model is None:
-            raise ValueError("reward_model is required for ppo jobs")
-        if self.type != "ppo" and self.reward_model is not None:
-            raise ValueError(f"reward_model applies to ppo jobs only, not {self.type}")
+    def _reward_model_where_needed(self) -> "JobSpec":
+        needs = JOB_TYPES[self.type].reward_model
+        if needs and self.reward_model is None:
+            raise ValueError(f"reward_model is required for {self.type} jobs")
+        if not needs and self.reward_model is not None:
+            takes = [name for name, info in JOB_TYPES.items() if info.reward_model]
+            raise ValueError(f"reward_model applies to {' and '.join(takes)} jobs only, not {self.type}")
         return self
 
     @model_validator(mode="after")
@@ -385,9 +621,7 @@ class JobSpec(_Strict):
             return self
         hp = self.hyperparameters
         ga = hp["gradient_accumulation_steps"]
-        # PPO rolls out batch_size prompts split over the processes, then trains on minibatches split likewise
-        checks = {"batch_size": n, "mini_batch_size": n * ga} if self.type == "ppo" else {"batch_size": n * ga}
-        for name, by in checks.items():
+        for name, by in self.config.process_shares(n).items():
             if hp[name] % by:
                 of = f"resources.num_processes ({n})" if by == n else (
                     f"resources.num_processes × gradient_accumulation_steps ({n} × {ga})")  # fmt: skip
@@ -405,14 +639,14 @@ def _check_divides(name: str, value: int, by_name: str, by: int) -> None:
         raise ValueError(f"{name} ({value}) must be a multiple of {by_name} ({by})")
 
 
-def _check_dataset_ref(ref: str, kind: str) -> None:
+def _check_dataset_ref(ref: str, kind: DatasetKind) -> None:
     if not _DATASET_REF.match(ref):
         raise ValueError(f"not a dataset reference: {ref!r} (builtin:<name>, file-<id> or a .jsonl path)")
     if ref.startswith("builtin:"):
         name = ref.removeprefix("builtin:")
         if name not in DATASETS:
             raise ValueError(f"unknown built-in dataset {ref!r}; known: {', '.join(sorted(DATASETS))}")
-        if DATASETS[name][0] != kind:
+        if dataset_kind(DATASETS[name][0]) != kind:
             raise ValueError(f"{ref} holds {DATASETS[name][0]} rows, but a {kind} dataset is needed")
 
 

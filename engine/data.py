@@ -13,6 +13,7 @@ from engine.rows import (
     DatasetError,
     Message,
     Text,
+    dataset_kind,
     is_chat,
     parse_line,
     split_lines,
@@ -35,8 +36,8 @@ def load_rows(ref: str, kind: str) -> list[dict[str, Any]]:
         if name not in builtin.DATASETS:
             raise DatasetError(f"unknown built-in dataset {ref!r}")
         row_kind, make_rows = builtin.DATASETS[name]
-        if row_kind != kind:
-            raise DatasetError(f"{ref} holds {row_kind} rows, but a {kind} dataset is needed")
+        if row_kind != dataset_kind(kind):
+            raise DatasetError(f"{ref} holds {row_kind} rows, but a {dataset_kind(kind)} dataset is needed")
         return make_rows()
     path = Path(ref)
     if not path.is_file():

@@ -1,8 +1,9 @@
-"""The built-in pipeline: SFT → reward model → PPO on the reviews task, then a before/after table.
+"""The built-in pipeline on the reviews task: SFT → reward model → PPO, or SFT → another method (``--method
+dpo``), then a before/after table.
 
-Judged on held-out prompts by the task's ground-truth rule (never used in training): the share of
-positive completions from the SFT model and from the PPO policy, their reward-model scores, and the
-policy's KL to the SFT reference on its own samples.
+Judged on held-out prompts by the task's ground-truth rule (never used in training): the share of positive
+completions from the SFT model and from the trained policy, their reward-model scores (when a reward model was
+trained), and the policy's KL to the SFT reference on its own samples.
 """
 
 from collections.abc import Callable
@@ -11,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from engine.builtin import reviews
-from engine.config import JobSpec
+from engine.config import JOB_TYPES, JobSpec
 from engine.data import encode_prompts, load_rows
 from engine.generate import sample
 from engine.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model_ref
@@ -27,63 +29,26 @@ TEMPERATURE = 1.0
 EVAL_PROMPTS = 256
 
 
-def demo_specs(out: Path) -> dict[str, dict[str, Any]]:
-    """The three job specs; each later stage names the earlier stage's folder as its model."""
-    return {
-        "sft": {
-            "type": "sft",
-            "name": "demo-sft",
-            "model": "builtin:tiny",
-            "dataset": "builtin:reviews-sft",
-            "eval_dataset": "builtin:reviews-sft-eval",
-            "hyperparameters": {
-                "epochs": 2,
-                "batch_size": 32,
-                "learning_rate": 3e-3,
-                "warmup_steps": 10,
-                "eval_every": 50,
-            },
-            "seed": SEED,
-            "checkpoint_every": 1000,
-        },
-        "rm": {
-            "type": "rm",
-            "name": "demo-rm",
-            "model": str(out / "sft"),
-            "dataset": "builtin:reviews-prefs",
-            "eval_dataset": "builtin:reviews-prefs-eval",
-            "hyperparameters": {"epochs": 1, "batch_size": 32, "learning_rate": 1e-3, "eval_every": 25},
-            "seed": SEED,
-            "checkpoint_every": 1000,
-        },
-        "ppo": {
-            "type": "ppo",
-            "name": "demo-ppo",
-            "model": str(out / "sft"),
-            "reward_model": str(out / "rm"),
-            "dataset": "builtin:reviews-prompts",
-            "hyperparameters": {
-                "total_steps": 40,
-                "batch_size": 64,
-                "mini_batch_size": 32,
-                "ppo_epochs": 2,
-                "learning_rate": 3e-5,
-                "temperature": TEMPERATURE,
-                "response_length": 24,
-                "kl_coef": 0.05,
-            },
-            "seed": SEED,
-            "checkpoint_every": 10,
-        },
-    }
+def demo_specs(out: Path, method: str = "ppo") -> dict[str, dict[str, Any]]:
+    """The job specs of the pipeline, each type's stage as its :data:`JOB_TYPES` entry gives it: SFT, a reward
+    model when ``method`` needs one, then ``method``; each later stage starts from the SFT folder."""
+    stages = ["sft", *(["rm"] if JOB_TYPES[method].reward_model else []), method]
+    specs = {}
+    for stage in stages:
+        spec = {"type": stage, "name": f"demo-{stage}", "seed": SEED, **JOB_TYPES[stage].demo}
+        spec["model"] = "builtin:tiny" if stage == "sft" else str(out / "sft")
+        if JOB_TYPES[stage].reward_model:
+            spec["reward_model"] = str(out / "rm")
+        specs[stage] = spec
+    return specs
 
 
 @dataclass
 class PolicyReport:
     positive_share: float
     """Share of samples the ground-truth rule judges positive."""
-    score: float
-    """Mean reward-model score."""
+    score: float | None
+    """Mean reward-model score (None when the pipeline trained no reward model)."""
     kl: float
     """Mean summed per-token log-ratio to the SFT reference on the policy's own samples."""
     length: float
@@ -91,11 +56,10 @@ class PolicyReport:
 
 
 @torch.inference_mode()
-def evaluate_policy(policy_dir: str, reference_dir: str, reward_dir: str, prompts: list[str]) -> PolicyReport:
+def evaluate_policy(policy_dir: str, reference_dir: str, reward_dir: str | None, prompts: list[str]) -> PolicyReport:
     tokenizer = load_tokenizer(policy_dir)
     policy = load_causal_lm(policy_dir, tokenizer, SEED).eval()
     reference = load_causal_lm(reference_dir, tokenizer, SEED).eval()
-    reward_model = load_scalar_model(reward_dir, tokenizer, SEED).eval()
     queries, query_mask = encode_prompts(tokenizer, prompts, 64)
     generator = torch.Generator().manual_seed(SEED)
     raw, _ = sample(
@@ -110,34 +74,46 @@ def evaluate_policy(policy_dir: str, reference_dir: str, reward_dir: str, prompt
     texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
     return PolicyReport(
         positive_share=sum(map(reviews.is_positive, texts)) / len(texts),
-        score=sequence_scores(reward_model, query_responses, attention_mask).mean().item(),
+        score=_score(reward_dir, tokenizer, query_responses, attention_mask),
         kl=((logprobs - ref_logprobs) * mask).sum(1).mean().item(),
         length=mask.sum(1).float().mean().item(),
     )
 
 
+def _score(
+    reward_dir: str | None, tokenizer: PreTrainedTokenizerBase, query_responses: torch.Tensor, mask: torch.Tensor
+) -> float | None:
+    if reward_dir is None:
+        return None
+    reward_model = load_scalar_model(reward_dir, tokenizer, SEED).eval()
+    return sequence_scores(reward_model, query_responses, mask).mean().item()
+
+
 def rm_accuracy(reward_dir: str) -> float:
     tokenizer = load_tokenizer(reward_dir)
     model = load_scalar_model(reward_dir, tokenizer, SEED)
-    rows = load_rows("builtin:reviews-prefs-eval", "rm")
+    rows = load_rows("builtin:reviews-prefs-eval", "preference")
     batches = [encode_pairs(tokenizer, rows[i : i + 64], 128) for i in range(0, len(rows), 64)]
     return evaluate_pairs(model, batches)[0]
 
 
 @dataclass
 class DemoReport:
+    method: str
+    """The job type trained after SFT."""
     prompts: int
     """Held-out prompts sampled once by each policy."""
-    rm_eval_accuracy: float
-    """Reward model's accuracy on the held-out preference pairs."""
+    rm_eval_accuracy: float | None
+    """Reward model's accuracy on the held-out preference pairs (None: the method trained none)."""
     sft: PolicyReport
-    ppo: PolicyReport
+    trained: PolicyReport
+    """The policy ``method`` trained."""
 
     def table(self) -> str:
+        accuracy = "" if self.rm_eval_accuracy is None else f"; reward model eval accuracy {self.rm_eval_accuracy:.3f}"
         lines = [
-            f"Held-out evaluation: {self.prompts} prompts, temperature {TEMPERATURE}; "
-            f"reward model eval accuracy {self.rm_eval_accuracy:.3f}",
-            f"{'':<24}{'SFT':>10}{'PPO':>10}",
+            f"Held-out evaluation: {self.prompts} prompts, temperature {TEMPERATURE}{accuracy}",
+            f"{'':<24}{'SFT':>10}{self.method.upper():>10}",
         ]
         for label, field in (
             ("positive share (truth)", "positive_share"),
@@ -145,20 +121,23 @@ class DemoReport:
             ("KL to SFT reference", "kl"),
             ("response length", "length"),
         ):
-            lines.append(f"{label:<24}{getattr(self.sft, field):>10.3f}{getattr(self.ppo, field):>10.3f}")
+            sft, trained = getattr(self.sft, field), getattr(self.trained, field)
+            if sft is not None:
+                lines.append(f"{label:<24}{sft:>10.3f}{trained:>10.3f}")
         return "\n".join(lines)
 
 
-def run_demo(out: Path, train: Callable[[JobSpec, Path, str], None]) -> DemoReport:
-    """Train the three stages with ``train(spec, folder, label)``, then compare SFT and PPO policies."""
-    for stage, data in demo_specs(out).items():
+def run_demo(out: Path, train: Callable[[JobSpec, Path, str], None], method: str = "ppo") -> DemoReport:
+    """Train the stages with ``train(spec, folder, label)``, then compare the SFT policy with ``method``'s."""
+    for stage, data in demo_specs(out, method).items():
         train(JobSpec.model_validate(data), out / stage, stage)
-    sft_dir, rm_dir = resolve_model_ref(str(out / "sft")), resolve_model_ref(str(out / "rm"))
-    ppo_dir = resolve_model_ref(str(out / "ppo"))
-    prompts = [r["prompt"] for r in load_rows("builtin:reviews-prompts-eval", "ppo")[:EVAL_PROMPTS]]
+    sft_dir, trained_dir = resolve_model_ref(str(out / "sft")), resolve_model_ref(str(out / method))
+    rm_dir = resolve_model_ref(str(out / "rm")) if JOB_TYPES[method].reward_model else None
+    prompts = [r["prompt"] for r in load_rows("builtin:reviews-prompts-eval", "prompts")[:EVAL_PROMPTS]]
     return DemoReport(
+        method=method,
         prompts=len(prompts),
-        rm_eval_accuracy=rm_accuracy(rm_dir),
+        rm_eval_accuracy=rm_accuracy(rm_dir) if rm_dir else None,
         sft=evaluate_policy(sft_dir, sft_dir, rm_dir, prompts),
-        ppo=evaluate_policy(ppo_dir, sft_dir, rm_dir, prompts),
+        trained=evaluate_policy(trained_dir, sft_dir, rm_dir, prompts),
     )

@@ -37,7 +37,7 @@ MIN_SPREAD = 1e-3
 
 
 class TrainingCollapseError(RuntimeError):
-    """A collapse signal fired and the job's ``on_collapse`` is ``"stop"``: the job fails (no checkpoint of
+    """A collapse signal fired and the job's ``collapse.action`` is ``"stop"``: the job fails (no checkpoint of
     the anomalous step is written)."""
 
 

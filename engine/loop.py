@@ -1,5 +1,6 @@
-"""Plumbing shared by the three training loops: seeding, optimizer and schedule, and the end of a step
-(metrics, checkpoint, stop request). The loops themselves stay in sft.py, rm.py and ppo_train.py.
+"""Plumbing shared by the training loops: seeding, data and tokenizer, optimizer and schedule with the resume
+from the last checkpoint, and the end of a step (metrics, checkpoint, stop request). The loops themselves stay in
+sft.py, rm.py and ppo_train.py.
 """
 
 import math
@@ -15,9 +16,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
 from engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_job_file, write_spec_file
-from engine.config import JobSpec, TrainConfig
+from engine.config import JobSpec, SFTConfig, TrainConfig
+from engine.data import load_rows, require_chat_template
 from engine.distributed import Ranks
-from engine.models import apply_lora
+from engine.models import apply_lora, load_tokenizer
 
 
 class NonFiniteLossError(RuntimeError):
@@ -39,6 +41,19 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def load_datasets(spec: JobSpec, kind: str, ranks: Ranks) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of ``spec.dataset``, and of ``spec.eval_dataset`` on rank 0, which evaluates (none elsewhere, or
+    without an eval dataset)."""
+    rows = load_rows(spec.dataset, kind)
+    eval_rows = load_rows(spec.eval_dataset, kind) if spec.eval_dataset and ranks.is_main else []
+    return rows, eval_rows
+
+
+def steps_for_epochs(cfg: SFTConfig, n_rows: int) -> int:
+    """Optimizer steps of ``cfg.epochs`` passes over ``n_rows`` rows (at least 1), or ``cfg.max_steps``."""
+    return cfg.max_steps or max(1, int(cfg.epochs * n_rows) // cfg.batch_size)
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig, lr: float) -> torch.optim.AdamW:
@@ -105,6 +120,17 @@ class Run:
         self.resume_from = found[1] if found else None
         """The checkpoint to resume from, or None for a fresh start."""
 
+    @classmethod
+    def open(
+        cls, spec: JobSpec, out_dir: Path, callbacks: Callbacks, ranks: Ranks, rows: dict[str, list[dict[str, Any]]]
+    ) -> "Run":
+        """The run of ``spec`` in ``out_dir``, with the tokenizer of ``spec.model``; ``rows`` by the spec field that
+        names them (``dataset``, ``eval_dataset``, ...), which must not be chat rows unless it has a chat template."""
+        tokenizer = load_tokenizer(spec.model)
+        for field_name, field_rows in rows.items():
+            require_chat_template(tokenizer, field_rows, field_name)
+        return cls(spec, out_dir, callbacks, tokenizer, ranks)
+
     def load_trained(
         self,
         name: str,
@@ -119,6 +145,19 @@ class Run:
             return load(str(self.resume_from / name) if self.resume_from else fresh_ref)
         adapters = self.resume_from / "adapters" / name if self.resume_from else None
         return apply_lora(load(fresh_ref), self.spec.lora, task, adapters)
+
+    def start_training(
+        self, cfg: TrainConfig, total_steps: int, *param_groups: tuple[list[torch.nn.Parameter], float]
+    ) -> "Start":
+        """AdamW over ``param_groups`` ((parameters, peak learning rate) each: the first one's settings are the
+        others' too) and the schedule of ``cfg`` over ``total_steps``, then :meth:`start`."""
+        (params, lr), *more = param_groups
+        optimizer = make_optimizer(params, cfg, lr)
+        for group_params, group_lr in more:
+            optimizer.add_param_group({"params": group_params, "lr": group_lr})
+        scheduler = make_scheduler(optimizer, cfg, total_steps)
+        step, state = self.start(total_steps, optimizer, scheduler)
+        return Start(optimizer, scheduler, step, state, self.result_if_finished(step))
 
     def start(
         self, total_steps: int, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -214,3 +253,22 @@ class Run:
         if start_step >= self.total_steps:
             return JobResult("succeeded", start_step, self.resume_from)
         return None
+
+    def eval_due(self, step: int, every: int | None) -> bool:
+        """Whether ``step`` evaluates: every ``every`` steps (None: only the last) and at the last."""
+        return step == self.total_steps or bool(every and step % every == 0)
+
+
+@dataclass
+class Start:
+    """Where a loop starts (:meth:`Run.start_training`)."""
+
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    """Both restored from the checkpoint when resuming."""
+    step: int
+    """The last step done: training goes on at the next one (0 for a fresh start)."""
+    state: dict[str, Any] | None
+    """The checkpoint's trainer state, for the loop's own parts (None for a fresh start)."""
+    finished: JobResult | None
+    """The result of a job resumed from its final checkpoint (nothing left to do), else None."""

@@ -13,17 +13,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
 from engine.config import JobSpec, RMConfig
-from engine.data import (
-    batch_indices,
-    encode_completion,
-    labelled_batch,
-    load_rows,
-    preference_parts,
-    require_chat_template,
-)
+from engine.data import batch_indices, encode_completion, labelled_batch, preference_parts
 from engine.distributed import Ranks
-from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
-from engine.models import ScalarHead, check_fits, lm_head_weight, load_scalar_model, load_tokenizer, prepare
+from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything, steps_for_epochs
+from engine.models import ScalarHead, check_fits, lm_head_weight, load_scalar_model, prepare
 from engine.ops import reward_index
 
 
@@ -73,16 +66,13 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
     seed_everything(spec.seed)
     ranks = Ranks.current()  # several processes: each takes its share of every batch
 
-    # 1. data
-    rows = load_rows(spec.dataset, "rm")
-    eval_rows = load_rows(spec.eval_dataset, "rm") if spec.eval_dataset and ranks.is_main else []  # rank 0 evaluates
-    total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(rows)) // cfg.batch_size)
+    # 1. data: the batch order is a function of (seed, step), so resuming needs only the step
+    rows, eval_rows = load_datasets(spec, "rm", ranks)
+    total_steps = steps_for_epochs(cfg, len(rows))
 
     # 2. model (scalar head on the starting model's backbone), optimizer, schedule, resume
-    tokenizer = load_tokenizer(spec.model)
-    require_chat_template(tokenizer, rows, "dataset")
-    require_chat_template(tokenizer, eval_rows, "eval_dataset")
-    run = Run(spec, out_dir, callbacks, tokenizer, ranks)
+    run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows})
+    tokenizer = run.tokenizer
 
     def scalar_model(ref: str) -> PreTrainedModel:
         return prepare(load_scalar_model(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
@@ -93,17 +83,16 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
     lm_head = lm_head_weight(model, spec.model) if cfg.lm_loss_coef > 0 else None
     params = [p for p in model.parameters() if p.requires_grad]
     trained = ranks.wrap(ScalarHead(model))  # DistributedDataParallel with several processes
-    optimizer = make_optimizer(params, cfg, cfg.learning_rate)
-    scheduler = make_scheduler(optimizer, cfg, total_steps)
-    start_step, _ = run.start(total_steps, optimizer, scheduler)
-    if done := run.result_if_finished(start_step):
-        return done
+    start = run.start_training(cfg, total_steps, (params, cfg.learning_rate))
+    if start.finished:
+        return start.finished
+    optimizer, scheduler = start.optimizer, start.scheduler
     eval_batches = [
         {k: v.to(device) for k, v in encode_pairs(tokenizer, eval_rows[i : i + 64], cfg.max_length).items()}
         for i in range(0, len(eval_rows), 64)
     ]
 
-    for step in range(start_step + 1, total_steps + 1):
+    for step in range(start.step + 1, total_steps + 1):
         t0 = time.perf_counter()
         # 3. pairwise loss over the batch, accumulated over micro-batches (per process: its share of the batch)
         batch_rows = [rows[i] for i in batch_indices(len(rows), cfg.batch_size, spec.seed, step - 1)]
@@ -148,7 +137,7 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
             "time/step_s": elapsed,
             "throughput/tokens_per_s": n_seen / elapsed,
         }
-        if eval_batches and (step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+        if eval_batches and run.eval_due(step, cfg.eval_every):
             metrics["eval/accuracy"], metrics["eval/margin"] = evaluate_pairs(model, eval_batches)
         if result := run.end_step(step, metrics, {"policy": model}):
             return result

@@ -1,27 +1,37 @@
 """Dataset rows, torch-free so the API validates uploads with the very rules the engine reads by.
 
-Each kind takes plain-string rows and TRL's conversational rows (lists of ``{"role", "content"}`` messages,
-https://huggingface.co/docs/trl/dataset_formats):
+A dataset's kind says what its rows hold, whichever job reads them (a preference file feeds a reward model
+and DPO alike). Each kind takes plain-string rows and TRL's conversational rows (lists of ``{"role", "content"}``
+messages, https://huggingface.co/docs/trl/dataset_formats):
 
 - ``sft``: ``{"prompt": str, "completion": str}``; ``{"messages": [...]}`` (the loss on every assistant turn);
   ``{"prompt": [...], "completion": [...]}`` (the loss on the completion's messages).
-- ``rm``: ``{"prompt": str, "chosen": str, "rejected": str}``; the same with message lists; or only
+- ``preference``: ``{"prompt": str, "chosen": str, "rejected": str}``; the same with message lists; or only
   ``{"chosen": [...], "rejected": [...]}``, two whole conversations whose common first messages are the prompt.
-- ``ppo``: ``{"prompt": str}`` or ``{"prompt": [...]}`` (rendered with the generation prompt).
+- ``prompts``: ``{"prompt": str}`` or ``{"prompt": [...]}`` (rendered with the generation prompt).
+
+``rm`` and ``ppo``, the kinds' names before there were more job types than kinds, stay accepted as aliases.
 
 Columns beyond these are kept with the row (reward functions may read them).
 """
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 Message = dict[str, str]
 """One chat message: ``{"role": ..., "content": ...}``."""
 Text = str | list[Message]
 """A prompt or a completion: plain text, or messages for the tokenizer's chat template."""
 
+DatasetKind = Literal["sft", "preference", "prompts"]
+KIND_ALIASES: dict[str, DatasetKind] = {"rm": "preference", "ppo": "prompts"}
+"""Earlier names of the kinds (a file's ``purpose``), still accepted."""
 # Required fields of a plain row, per dataset kind.
-ROW_FIELDS = {"sft": ("prompt", "completion"), "rm": ("prompt", "chosen", "rejected"), "ppo": ("prompt",)}
+ROW_FIELDS: dict[str, tuple[str, ...]] = {
+    "sft": ("prompt", "completion"),
+    "preference": ("prompt", "chosen", "rejected"),
+    "prompts": ("prompt",),
+}
 MESSAGE_KEYS = frozenset({"role", "content"})
 
 
@@ -33,6 +43,14 @@ class ChatTemplateMissingError(DatasetError):
     """Chat rows, and a tokenizer without a chat template to render them with."""
 
 
+def dataset_kind(name: str) -> DatasetKind:
+    """The kind ``name`` stands for (``rm`` → ``preference``, ``ppo`` → ``prompts``); ValueError if none."""
+    kind = KIND_ALIASES.get(name, name)
+    if kind not in ROW_FIELDS:
+        raise ValueError(f"unknown dataset kind {name!r}; known: {', '.join(ROW_FIELDS)}")
+    return kind  # type: ignore[return-value]  # one of ROW_FIELDS' keys
+
+
 def is_chat(row: dict[str, Any]) -> bool:
     """Whether a valid row holds messages rather than plain strings."""
     return "messages" in row or isinstance(row.get("prompt", row.get("chosen")), list)
@@ -40,6 +58,7 @@ def is_chat(row: dict[str, Any]) -> bool:
 
 def validate_row(row: object, kind: str, line: int) -> dict[str, Any]:
     """A row of ``kind`` (extra columns kept), or a DatasetError naming the line and the field."""
+    kind = dataset_kind(kind)
     if not isinstance(row, dict):
         raise DatasetError(f"line {line}: expected a JSON object, got {type(row).__name__}")
     if kind == "sft" and "messages" in row:
@@ -47,7 +66,7 @@ def validate_row(row: object, kind: str, line: int) -> dict[str, Any]:
         if not any(m["role"] == "assistant" for m in messages):
             raise DatasetError(f"line {line}: field 'messages' has no assistant message to train on")
         return row
-    if kind == "rm" and "prompt" not in row and isinstance(row.get("chosen"), list):
+    if kind == "preference" and "prompt" not in row and isinstance(row.get("chosen"), list):
         split_prompt(row, line)  # the implicit-prompt form
         return row
     fields = ROW_FIELDS[kind]

@@ -1,18 +1,24 @@
 """Entry point for running one job, used by the local CLI and by the workers."""
 
+from collections.abc import Callable
+from importlib import import_module
 from pathlib import Path
 
 import torch
 
 from engine.callbacks import Callbacks
-from engine.config import JobSpec
+from engine.config import JOB_TYPES, JobSpec
 from engine.loop import JobResult
 from engine.models import pick_device
-from engine.ppo_train import train_ppo
-from engine.rm import train_rm
-from engine.sft import train_sft
 
-TRAINERS = {"sft": train_sft, "rm": train_rm, "ppo": train_ppo}
+Trainer = Callable[[JobSpec, Path, Callbacks, torch.device], JobResult]
+
+
+def trainer(job_type: str) -> Trainer:
+    """The training loop of ``job_type``, as its :data:`engine.config.JOB_TYPES` entry names it."""
+    module, function = JOB_TYPES[job_type].trainer.split(":")
+    loop: Trainer = getattr(import_module(module), function)
+    return loop
 
 
 def run_job(
@@ -25,4 +31,4 @@ def run_job(
     Whether a run already in ``out_dir`` is of the same spec is checked by the local command line
     (``engine.cli.train``), not here: on the server every job has a folder of its own.
     """
-    return TRAINERS[spec.type](spec, Path(out_dir), callbacks or Callbacks(), device or pick_device())
+    return trainer(spec.type)(spec, Path(out_dir), callbacks or Callbacks(), device or pick_device())

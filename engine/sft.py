@@ -9,10 +9,10 @@ from transformers import PreTrainedModel
 
 from engine.callbacks import Callbacks
 from engine.config import JobSpec, SFTConfig
-from engine.data import batch_indices, encode_sft_batch, load_rows, require_chat_template
+from engine.data import batch_indices, encode_sft_batch
 from engine.distributed import Ranks
-from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
-from engine.models import check_fits, lm_logits, load_causal_lm, load_tokenizer, prepare
+from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything, steps_for_epochs
+from engine.models import check_fits, lm_logits, load_causal_lm, prepare
 
 
 def completion_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -43,15 +43,12 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     ranks = Ranks.current()  # several processes: each takes its share of every batch
 
     # 1. data: the batch order is a function of (seed, step), so resuming needs only the step
-    rows = load_rows(spec.dataset, "sft")
-    eval_rows = load_rows(spec.eval_dataset, "sft") if spec.eval_dataset and ranks.is_main else []  # rank 0 evaluates
-    total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(rows)) // cfg.batch_size)
+    rows, eval_rows = load_datasets(spec, "sft", ranks)
+    total_steps = steps_for_epochs(cfg, len(rows))
 
     # 2. model, optimizer and schedule, restored from the last checkpoint when there is one
-    tokenizer = load_tokenizer(spec.model)
-    require_chat_template(tokenizer, rows, "dataset")
-    require_chat_template(tokenizer, eval_rows, "eval_dataset")
-    run = Run(spec, out_dir, callbacks, tokenizer, ranks)
+    run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows})
+    tokenizer = run.tokenizer
 
     def causal_lm(ref: str) -> PreTrainedModel:
         return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
@@ -60,18 +57,17 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     check_fits(model, cfg.max_length, "hyperparameters.max_length")
     params = [p for p in model.parameters() if p.requires_grad]
     trained = ranks.wrap(model)  # DistributedDataParallel with several processes
-    optimizer = make_optimizer(params, cfg, cfg.learning_rate)
-    scheduler = make_scheduler(optimizer, cfg, total_steps)
-    start_step, _ = run.start(total_steps, optimizer, scheduler)
-    if done := run.result_if_finished(start_step):
-        return done
+    start = run.start_training(cfg, total_steps, (params, cfg.learning_rate))
+    if start.finished:
+        return start.finished
+    optimizer, scheduler = start.optimizer, start.scheduler
     eval_batches = [
         {k: v.to(device) for k, v in encode_sft_batch(tokenizer, eval_rows[i : i + 64], cfg.max_length).items()}
         for i in range(0, len(eval_rows), 64)
     ]
 
     micro_size = cfg.micro_batch_size // ranks.world_size
-    for step in range(start_step + 1, total_steps + 1):
+    for step in range(start.step + 1, total_steps + 1):
         t0 = time.perf_counter()
         # 3. one optimizer step over `batch_size` examples in `gradient_accumulation_steps` micro-batches (per
         #    process: its share of the batch, in micro-batches as many)
@@ -103,7 +99,7 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
             "time/step_s": elapsed,
             "throughput/tokens_per_s": n_seen / elapsed,
         }
-        if eval_batches and (step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+        if eval_batches and run.eval_due(step, cfg.eval_every):
             metrics["eval/loss"] = eval_loss(model, eval_batches)
         if result := run.end_step(step, metrics, {"policy": model}):
             return result

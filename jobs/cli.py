@@ -105,7 +105,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         return
     from jobs.demo import run_http_demo
 
-    run_http_demo(args.data_dir, args.port)
+    run_http_demo(args.data_dir, args.port, args.method)
 
 
 # --- parser ------------------------------------------------------------------------------------

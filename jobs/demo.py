@@ -1,6 +1,7 @@
 """The demo through the HTTP API: start the embedded server, upload the built-in reviews data as files,
-train SFT → RM → PPO chained by ``job:`` references with live progress, then sample both policies
-through the generate endpoint and judge them with the task's ground-truth rule.
+train SFT → RM → PPO (or SFT → another method, ``--method dpo``) chained by ``job:`` references with live
+progress, then sample both policies through the generate endpoint and judge them with the task's ground-truth
+rule.
 """
 
 import hashlib
@@ -98,37 +99,36 @@ def sample(c: Client, job_id: str, prompts: list[str], score: bool) -> list[dict
     return completions
 
 
-def run_http_demo(data_dir: Path, port: int) -> None:
+def run_http_demo(data_dir: Path, port: int, method: str = "ppo") -> None:
     started = time.perf_counter()
     with embedded_server(data_dir.resolve(), port) as c:
         files = upload_builtin(c, data_dir / "datasets")
-        specs = demo_specs(Path("unused"))
         jobs: dict[str, dict[str, Any]] = {}
-        for stage, spec in specs.items():
+        for stage, spec in demo_specs(Path("unused"), method).items():
             spec = {**spec, "dataset": files[spec["dataset"].removeprefix("builtin:")]}
             if "eval_dataset" in spec:
                 spec["eval_dataset"] = files[spec["eval_dataset"].removeprefix("builtin:")]
             spec["model"] = "builtin:tiny" if stage == "sft" else f"job:{jobs['sft']['id']}"
-            if stage == "ppo":
+            if "reward_model" in spec:
                 spec["reward_model"] = f"job:{jobs['rm']['id']}"
-                spec["eval_dataset"] = files["reviews-prompts-eval"]
-                total = spec["hyperparameters"]["total_steps"]
-                spec["hyperparameters"] = {**spec["hyperparameters"], "eval_every": total}
             jobs[stage] = run_stage(c, stage, spec)
 
+        scored = "rm" in jobs  # the pipeline trained a reward model to score samples with
         prompts = [row["prompt"] for row in DATASETS["reviews-prompts-eval"][1]()[:EVAL_PROMPTS]]
         sft = sample(c, jobs["sft"]["id"], prompts, score=False)
-        ppo = sample(c, jobs["ppo"]["id"], prompts, score=True)
-        rm_accuracy = jobs["rm"]["latest_metrics"].get("eval/accuracy", float("nan"))
-        ppo_metrics = jobs["ppo"]["latest_metrics"]
+        trained = sample(c, jobs[method]["id"], prompts, score=scored)
 
         def share(completions: list[dict[str, Any]]) -> float:
             return sum(reviews.is_positive(x["text"]) for x in completions) / len(completions)
 
+        accuracy = f"; reward model eval accuracy {jobs['rm']['latest_metrics']['eval/accuracy']:.3f}" if scored else ""
         print(f"\nHeld-out evaluation through POST /v1/jobs/{{id}}/generate: {len(prompts)} prompts, "
-              f"temperature {TEMPERATURE}; reward model eval accuracy {rm_accuracy:.3f}")  # fmt: skip
-        print(f"{'':<24}{'SFT':>10}{'PPO':>10}")
-        print(f"{'positive share (truth)':<24}{share(sft):>10.3f}{share(ppo):>10.3f}")
-        print(f"{'reward model score':<24}{'':>10}{sum(x['score'] for x in ppo) / len(ppo):>10.3f}")
-        print(f"{'KL to SFT reference':<24}{0.0:>10.3f}{ppo_metrics.get('eval/kl', float('nan')):>10.3f}")
+              f"temperature {TEMPERATURE}{accuracy}")  # fmt: skip
+        print(f"{'':<24}{'SFT':>10}{method.upper():>10}")
+        print(f"{'positive share (truth)':<24}{share(sft):>10.3f}{share(trained):>10.3f}")
+        if scored:
+            score = sum(x["score"] for x in trained) / len(trained)
+            print(f"{'reward model score':<24}{'':>10}{score:>10.3f}")
+            kl = jobs[method]["latest_metrics"].get("eval/kl", float("nan"))
+            print(f"{'KL to SFT reference':<24}{0.0:>10.3f}{kl:>10.3f}")
         print(f"pipeline finished in {time.perf_counter() - started:.0f}s; server data in {data_dir}")

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine import generate as engine_generate
+from engine.config import JOB_TYPES
 from engine.hub import is_hub_id
 from engine.models import (
     ModelNotFoundError,
@@ -317,7 +318,7 @@ def _lookup(session: Session, job_id: str, step: int | None, score: bool, settin
     job = crud.get_job(session, job_id=job_id)
     if job is None:
         raise GenerateError(f"no job {job_id!r}")
-    if job.type == "rm":
+    if not JOB_TYPES[job.type].generates:
         raise GenerateError(f"job {job_id} trains a reward model: it scores text but does not generate it")
     checkpoint = crud.get_checkpoint(session, job_id=job_id, step=step)
     if checkpoint is None:
@@ -325,8 +326,8 @@ def _lookup(session: Session, job_id: str, step: int | None, score: bool, settin
         raise GenerateError(f"job {job_id} has no checkpoint {which}")
     reward_model = None
     if score:
-        if job.type != "ppo" or not job.spec.get("reward_model"):
-            raise GenerateError(f"scores need a reward model, and job {job_id} ({job.type}) has none; only ppo jobs do")
+        if not JOB_TYPES[job.type].reward_model or not job.spec.get("reward_model"):
+            raise GenerateError(f"scores need a reward model, and job {job_id} ({job.type}) has none")
         try:
             reward_model = resolve_model_ref(refs.resolve_stored(session, job, settings)["reward_model"])
             if is_hub_id(reward_model):  # the copy the job trained with: loading it asks no hub

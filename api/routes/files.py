@@ -28,8 +28,9 @@ def upload_file(
     purpose: Annotated[
         Purpose,
         Form(
-            description="Row kind: `sft` {prompt, completion} or {messages}, `rm` {prompt, chosen, rejected} (or only "
-            "chosen and rejected conversations), `ppo` {prompt}; texts are strings or lists of chat messages."
+            description="Row kind: `sft` {prompt, completion} or {messages}, `preference` {prompt, chosen, rejected} "
+            "(or only chosen and rejected conversations), `prompts` {prompt}; texts are strings or lists of chat "
+            "messages. `rm` and `ppo` are accepted for `preference` and `prompts`."
         ),
     ],
 ) -> FilePublic:

@@ -11,6 +11,7 @@ from api.errors import ApiError, ErrorResponse, error_responses
 from api.queue import run_generation
 from api.routes.jobs import job_or_404
 from api.schemas import GenerateRequest, GenerateResponse
+from engine.config import GENERATING_TYPES, JOB_TYPES
 from jobs.store import crud
 from jobs.store.models import Project
 
@@ -19,18 +20,19 @@ router = APIRouter(prefix="/jobs", tags=["generation"])
 
 def _checkpoint_step(session: Session, project: Project, job_id: str, body: GenerateRequest) -> int:
     job = job_or_404(session, project, job_id)
-    if job.type == "rm":
+    if not JOB_TYPES[job.type].generates:
         raise ApiError(
             422,
             "wrong_job_type",
             f"job {job.id} trains a reward model: it scores text but does not "
-            "generate it; generate from an sft or ppo job",
+            f"generate it; generate from a job of type {' or '.join(GENERATING_TYPES)}",
         )
-    if body.score and job.type != "ppo":
+    if body.score and not JOB_TYPES[job.type].reward_model:
+        scoring = " or ".join(name for name, info in JOB_TYPES.items() if info.reward_model)
         raise ApiError(
             422,
             "invalid_request",
-            f"job {job.id} is an {job.type} job; only ppo jobs have a reward model to score with",
+            f"job {job.id} is a {job.type} job; only {scoring} jobs have a reward model to score with",
             param="score",
         )
     step = None if body.checkpoint == "latest" else body.checkpoint

@@ -40,14 +40,13 @@ from api.openai_schemas import (
 )
 from api.queue import run_generation
 from api.schemas import MAX_INT32
+from engine.config import GENERATING_TYPES
 from jobs.store import crud
 from jobs.store.models import Checkpoint, Job, Project
 
 router = APIRouter(tags=["openai"])
 
 _MODEL_ID = re.compile(r"^job:([A-Za-z0-9_-]{1,40})(?:@(\d{1,10}))?$")
-GENERATING_TYPES = ("sft", "ppo")
-"""Job types whose models generate (a reward model scores text)."""
 
 _STREAM_DESCRIPTION = (
     "With `stream: true`: `text/event-stream` of `data: {chunk}` events, then `data: [DONE]`. The text is "

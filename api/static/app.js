@@ -9,26 +9,18 @@
 (() => {
   const KEY_NAME = 'rlhf-api-key';
   const FINAL = new Set(['succeeded', 'failed', 'cancelled']);
-  const CHARTS = {
-    ppo: ['objective/scores', 'objective/kl', 'objective/kl_coef', 'loss/policy', 'loss/value',
-      'response/length_mean', 'response/perplexity', 'policy/clipfrac'],
-    sft: ['loss/sft', 'eval/loss'],
-    rm: ['loss/rm', 'rm/accuracy', 'rm/margin', 'eval/accuracy'],
-  };
-  const BUILTIN_DATASETS = {
-    sft: ['builtin:reviews-sft', 'builtin:reviews-sft-eval'],
-    rm: ['builtin:reviews-prefs', 'builtin:reviews-prefs-eval'],
-    ppo: ['builtin:reviews-prompts', 'builtin:reviews-prompts-eval'],
-  };
-  const HYPERPARAMETERS = {
-    sft: { epochs: 3, batch_size: 32, learning_rate: 0.001 },
-    rm: { epochs: 1, batch_size: 32, learning_rate: 0.0005 },
-    ppo: { total_steps: 100, batch_size: 64, mini_batch_size: 32, response_length: 24, kl_coef: 0.05 },
-  };
+  // Earlier names of the dataset kinds, still a file's `purpose` when it was uploaded under them (engine/rows.py).
+  const KIND_ALIASES = { rm: 'preference', ppo: 'prompts' };
   const JOBS_REFRESH_MS = 3000;
   const HISTORY_POINTS = 2000;
 
   const state = { key: null, cleanup: [] };
+  // The job types, name → entry of GET /v1/job_types (engine.config.JOB_TYPES): its summary, dataset_kind,
+  // output ("policy" or "reward_model"), generates, reward_model, metrics (the charts), hyperparameters (the
+  // defaults), builtin_datasets and example (a spec to start from). Loaded once after sign-in (loadJobTypes);
+  // everything that differs by type is read from here, so a type the server adds needs no change to this file.
+  let jobTypes = new Map();
+  let jobTypesLoad = null;
   const $ = (selector, root = document) => root.querySelector(selector);
 
   // --- DOM helpers (text only: nothing from the API is ever parsed as HTML) -----------------------------------
@@ -194,6 +186,20 @@
     return data.length || frame.id !== undefined ? frame : null;
   }
 
+  // The job types, fetched once per sign-in and shared by every page that needs them (a failed fetch is tried
+  // again by the next one).
+  function loadJobTypes() {
+    if (!jobTypesLoad) {
+      const load = api('GET', '/v1/job_types').then((answer) => {
+        if (load === jobTypesLoad) jobTypes = new Map(answer.data.map((t) => [t.name, t]));
+        return jobTypes;
+      });
+      load.catch(() => { if (load === jobTypesLoad) jobTypesLoad = null; });
+      jobTypesLoad = load;
+    }
+    return jobTypesLoad;
+  }
+
   // --- sign-in, sign-out, routing -------------------------------------------------------------------------------
 
   function storedKey() {
@@ -204,6 +210,8 @@
     state.key = null;
     sessionStorage.removeItem(KEY_NAME);
     localStorage.removeItem(KEY_NAME);
+    jobTypes = new Map();
+    jobTypesLoad = null;
     teardown();
     showSignIn(message);
   }
@@ -257,6 +265,7 @@
   function route() {
     teardown();
     if (!state.key) { showSignIn(); return; }
+    loadJobTypes();
     const hash = location.hash || '#/jobs';
     const match = hash.match(/^#\/jobs\/([A-Za-z0-9_-]{1,64})$/);
     if (hash === '#/new') renderNewJob();
@@ -387,13 +396,19 @@
     state.cleanup.push(() => controller.abort());
     setView('job', h('p', { class: 'muted' }, 'Loading…'));
     let job;
+    let types;
     try {
-      job = await api('GET', `/v1/jobs/${jobId}`, undefined, controller.signal);
+      [job, types] = await Promise.all([
+        api('GET', `/v1/jobs/${jobId}`, undefined, controller.signal),
+        loadJobTypes().catch(() => new Map()), // without them every metric is charted under "More metrics"
+      ]);
     } catch (e) {
       if (!controller.signal.aborted) setView('job', h('p', { class: 'error' }, `Could not load job ${jobId}: ${e.message}`));
       return;
     }
     if (controller.signal.aborted) return;
+    const info = types.get(job.type);
+    const headline = info ? info.metrics : [];
 
     // Header, status and controls.
     const status = h('span', { id: 'job-status' });
@@ -413,13 +428,13 @@
     const eventsBody = h('tbody');
     const alertCount = h('span', { class: 'badge alert-badge', hidden: true });
     const checkpointsBody = h('tbody');
-    const tryBox = tryItBox(job);
+    const tryBox = tryItBox(job, info);
 
     const spec = job.spec || {};
     setView('job',
       h('div', { class: 'heading' },
         h('h1', {}, job.name || job.id),
-        h('span', { class: 'badge' }, job.type), status, live),
+        h('span', { class: 'badge', title: info && info.summary }, job.type), status, live),
       h('div', { class: 'meta' },
         h('span', { class: 'mono' }, job.id),
         h('span', {}, 'model ', h('code', {}, job.model)),
@@ -483,9 +498,9 @@
       } catch { /* the stream shows it */ }
     }
 
-    // Charts: the job type's charts first (empty until data comes), then any other metric under "More metrics".
+    // Charts: the job type's headline metrics first (empty until data comes), then any other under "More metrics".
     const charts = new Map();
-    for (const name of CHARTS[job.type] || []) {
+    for (const name of headline) {
       const chart = new Chart(name);
       charts.set(name, chart);
       chartGrid.append(chart.el);
@@ -537,7 +552,7 @@
       try {
         const checkpoints = (await api('GET', `/v1/jobs/${jobId}/checkpoints`, undefined, controller.signal)).data;
         fill(checkpointsBody, ...checkpoints.slice().reverse().map((cp) => {
-          const names = (CHARTS[job.type] || []).filter((n) => cp.metrics[n] !== undefined).slice(0, 3);
+          const names = headline.filter((n) => cp.metrics[n] !== undefined).slice(0, 3);
           return h('tr', { 'data-step': cp.step },
             h('td', { class: 'mono' }, cp.step),
             h('td', { class: 'small' }, names.map((n) => `${n} ${fmt(cp.metrics[n])}`).join(' · ')),
@@ -598,22 +613,25 @@
     return events;
   }
 
-  // "Try it": sample prompts from one checkpoint (or two, side by side), optionally scored by the reward model.
-  function tryItBox(job) {
-    if (job.type === 'rm') {
+  // "Try it": sample prompts from one checkpoint (or two, side by side), optionally scored by the job's reward
+  // model. `info` is the job's type (undefined if the types could not be loaded: then the server decides).
+  function tryItBox(job, info) {
+    if (info && !info.generates) {
       return {
         el: h('section', { class: 'card' }, h('h2', {}, 'Try it'),
-          h('p', { class: 'muted' }, 'A reward model scores text but does not generate it: try its PPO or SFT jobs.')),
+          h('p', { class: 'muted' },
+            'A reward model scores text but does not generate it: try the policies trained from it or with it.')),
         setCheckpoints() {},
       };
     }
+    const scores = Boolean(info && info.reward_model); // the job has a reward model to score with
     const prompts = h('textarea', { id: 'try-prompts', rows: 3, placeholder: 'One prompt per line' },
       'i went to see the film and honestly it was\ni streamed the comedy and overall it was');
     const checkpoint = h('select', { id: 'try-checkpoint' }, h('option', { value: 'latest' }, 'latest'));
     const compare = h('select', { id: 'try-compare' }, h('option', { value: '' }, '—'));
     const maxTokens = h('input', { id: 'try-max-tokens', type: 'number', min: 1, max: 512, value: 24 });
     const temperature = h('input', { id: 'try-temperature', type: 'number', min: 0, max: 5, step: 0.1, value: 0.7 });
-    const score = h('input', { id: 'try-score', type: 'checkbox', checked: job.type === 'ppo' });
+    const score = h('input', { id: 'try-score', type: 'checkbox', checked: scores });
     const button = h('button', { type: 'submit', id: 'try-run' }, 'Generate');
     const error = h('p', { class: 'error', role: 'alert', hidden: true });
     const results = h('div', { id: 'try-results' });
@@ -628,7 +646,7 @@
         prompts: lines,
         max_new_tokens: Number(maxTokens.value),
         temperature: Number(temperature.value),
-        score: job.type === 'ppo' && score.checked,
+        score: scores && score.checked,
       };
       button.disabled = true;
       button.textContent = 'Generating…';
@@ -664,7 +682,7 @@
           h('label', {}, 'Compare with', compare),
           h('label', {}, 'Max tokens', maxTokens),
           h('label', {}, 'Temperature', temperature),
-          job.type === 'ppo' ? h('label', { class: 'inline' }, score, ' Score with the reward model') : null,
+          scores ? h('label', { class: 'inline' }, score, ' Score with the reward model') : null,
           button)),
       error, results);
 
@@ -683,10 +701,26 @@
 
   // --- the new-job form -----------------------------------------------------------------------------------------
 
+  // Built from the job types: the type select lists them; the chosen one gives the example hyperparameters, the
+  // built-in datasets, the uploaded files of its dataset kind, the jobs its model and reward model may name, and
+  // whether it takes a reward model at all.
   async function renderNewJob() {
     const controller = new AbortController();
     state.cleanup.push(() => controller.abort());
-    const type = h('select', { id: 'job-type' }, ['sft', 'rm', 'ppo'].map((t) => h('option', { value: t }, t)));
+    const heading = h('div', { class: 'heading' }, h('h1', {}, 'New job'));
+    setView('new', heading, h('p', { class: 'muted' }, 'Loading…'));
+    let types;
+    try {
+      types = await loadJobTypes();
+    } catch (e) {
+      if (controller.signal.aborted) return;
+      setView('new', heading, h('p', { class: 'error' }, `Could not load the job types: ${e.message}`));
+      return;
+    }
+    if (controller.signal.aborted) return;
+    const type = h('select', { id: 'job-type' },
+      [...types.values()].map((t) => h('option', { value: t.name, title: t.summary }, t.name)));
+    const typeSummary = h('p', { id: 'job-type-summary', class: 'muted small' });
     const name = h('input', { id: 'job-name', type: 'text', maxlength: 200, placeholder: 'optional' });
     const modelPick = h('select', { id: 'model-pick' });
     const model = h('input', { id: 'model', type: 'text', value: 'builtin:tiny', spellcheck: false });
@@ -708,29 +742,40 @@
     const rewardRow = h('div', { class: 'field' }, h('label', { for: 'reward-model' }, 'Reward model'),
       h('div', { class: 'pick' }, rewardPick, reward));
 
+    const info = () => types.get(type.value); // the chosen type
+    const outputOf = (j) => (types.get(j.type) || {}).output;
     let jobs = [];
     let files = [];
     let lastDefault = '';
     let idempotencyKey = randomKey();
     let previewText = '';
 
+    // The server's rule (jobs/store/refs.py): a job starts from any policy, or from a model of its own output (a
+    // reward model trained further); a reward_model is a reward model.
     function fillModelPickers() {
+      const own = info().output;
       const succeeded = jobs.filter((j) => j.status === 'succeeded');
       const label = (j) => `job:${j.id} — ${j.type}${j.name ? ` ${j.name}` : ''}`;
-      fill(modelPick, h('option', { value: '' }, 'pick…'), h('option', { value: 'builtin:tiny' }, 'builtin:tiny'),
-        succeeded.filter((j) => j.type !== 'rm').map((j) => h('option', { value: `job:${j.id}` }, label(j))));
-      fill(rewardPick, h('option', { value: '' }, 'pick…'),
-        succeeded.filter((j) => j.type === 'rm').map((j) => h('option', { value: `job:${j.id}` }, label(j))));
+      const options = (list) => list.map((j) => h('option', { value: `job:${j.id}` }, label(j)));
+      for (const [select, ...children] of [
+        [modelPick, h('option', { value: 'builtin:tiny' }, 'builtin:tiny'),
+          options(succeeded.filter((j) => outputOf(j) === 'policy' || outputOf(j) === own))],
+        [rewardPick, options(succeeded.filter((j) => outputOf(j) === 'reward_model'))],
+      ]) {
+        const keep = select.value;
+        fill(select, h('option', { value: '' }, 'pick…'), ...children);
+        if ([...select.options].some((o) => o.value === keep)) select.value = keep;
+      }
     }
 
     function fillDatasets() {
-      const t = type.value;
-      const ours = files.filter((f) => f.purpose === t);
+      const { dataset_kind: kind, builtin_datasets: builtins } = info();
+      const ours = files.filter((f) => (KIND_ALIASES[f.purpose] || f.purpose) === kind);
       for (const [select, withNone] of [[dataset, false], [evalDataset, true]]) {
         const keep = select.value;
-        fill(select, 
+        fill(select,
           withNone ? h('option', { value: '' }, '(none)') : null,
-          h('optgroup', { label: 'Built-in' }, BUILTIN_DATASETS[t].map((d) => h('option', { value: d }, d))),
+          h('optgroup', { label: 'Built-in' }, builtins.map((d) => h('option', { value: d }, d))),
           ours.length ? h('optgroup', { label: 'Uploaded' },
             ours.map((f) => h('option', { value: f.id }, `${f.id} — ${f.filename} (${f.rows} rows)`))) : null);
         if ([...select.options].some((o) => o.value === keep)) select.value = keep;
@@ -738,12 +783,20 @@
     }
 
     function onType() {
-      const t = type.value;
-      rewardRow.hidden = t !== 'ppo';
-      const example = JSON.stringify(HYPERPARAMETERS[t], null, 2);
-      if (!hyper.value.trim() || hyper.value === lastDefault) hyper.value = example;
-      lastDefault = example;
+      const { summary, reward_model: takesRewardModel, example } = info();
+      typeSummary.textContent = summary;
+      rewardRow.hidden = !takesRewardModel;
+      const hyperparameters = JSON.stringify(example.hyperparameters || {}, null, 2);
+      if (!hyper.value.trim() || hyper.value === lastDefault) hyper.value = hyperparameters;
+      lastDefault = hyperparameters;
+      fillModelPickers();
       fillDatasets();
+      // A built-in dataset is the type's own: it becomes the example's (an uploaded file that fits is kept).
+      for (const [select, field] of [[dataset, 'dataset'], [evalDataset, 'eval_dataset']]) {
+        const wanted = example[field] || '';
+        const fits = [...select.options].some((o) => o.value === wanted);
+        if (fits && !select.value.startsWith('file-')) select.value = wanted;
+      }
       updatePreview();
     }
 
@@ -753,7 +806,7 @@
       spec.model = model.value.trim();
       spec.dataset = dataset.value;
       if (evalDataset.value) spec.eval_dataset = evalDataset.value;
-      if (type.value === 'ppo' && reward.value.trim()) spec.reward_model = reward.value.trim();
+      if (info().reward_model && reward.value.trim()) spec.reward_model = reward.value.trim();
       let hp;
       try { hp = JSON.parse(hyper.value || '{}'); } catch (e) { throw new Error(`hyperparameters: not valid JSON (${e.message})`); }
       if (hp === null || typeof hp !== 'object' || Array.isArray(hp)) throw new Error('hyperparameters: must be a JSON object');
@@ -787,7 +840,7 @@
       if (!file) { uploadStatus.textContent = 'Choose a .jsonl file first.'; return; }
       const form = new FormData();
       form.append('file', file);
-      form.append('purpose', type.value);
+      form.append('purpose', info().dataset_kind);
       uploadButton.disabled = true;
       uploadStatus.textContent = 'uploading…';
       uploadStatus.className = 'small';
@@ -844,10 +897,10 @@
 
     const field = (label, id, ...control) => h('div', { class: 'field' }, h('label', { for: id }, label), ...control);
     setView('new',
-      h('div', { class: 'heading' }, h('h1', {}, 'New job')),
+      heading,
       h('div', { class: 'columns' },
         h('form', { id: 'new-job', class: 'card form', oninput: updatePreview, onchange: updatePreview, onsubmit: create },
-          field('Type', 'job-type', type),
+          field('Type', 'job-type', type, typeSummary),
           field('Name', 'job-name', name),
           field('Model', 'model', h('div', { class: 'pick' }, modelPick, model)),
           rewardRow,
@@ -865,7 +918,6 @@
     modelPick.addEventListener('change', () => { if (modelPick.value) model.value = modelPick.value; updatePreview(); });
     rewardPick.addEventListener('change', () => { if (rewardPick.value) reward.value = rewardPick.value; updatePreview(); });
     uploadButton.addEventListener('click', doUpload);
-    fillModelPickers();
     onType();
 
     try {

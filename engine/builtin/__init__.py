@@ -27,12 +27,12 @@ TINY_CONFIG: dict[str, int | float] = {
     "attn_pdrop": 0.0,
 }
 
-# name -> (row kind, rows factory). Kinds are the job types whose rows they hold.
+# name -> (dataset kind, rows factory); the kinds are engine.rows'.
 DATASETS: dict[str, tuple[str, Callable[[], list[dict[str, str]]]]] = {
     "reviews-sft": ("sft", lambda: reviews.sft_rows("train")),
     "reviews-sft-eval": ("sft", lambda: reviews.sft_rows("eval")),
-    "reviews-prefs": ("rm", lambda: reviews.pref_rows("train")),
-    "reviews-prefs-eval": ("rm", lambda: reviews.pref_rows("eval")),
-    "reviews-prompts": ("ppo", lambda: reviews.prompt_rows("train")),
-    "reviews-prompts-eval": ("ppo", lambda: reviews.prompt_rows("eval")),
+    "reviews-prefs": ("preference", lambda: reviews.pref_rows("train")),
+    "reviews-prefs-eval": ("preference", lambda: reviews.pref_rows("eval")),
+    "reviews-prompts": ("prompts", lambda: reviews.prompt_rows("train")),
+    "reviews-prompts-eval": ("prompts", lambda: reviews.prompt_rows("eval")),
 }

@@ -24,8 +24,10 @@ from huggingface_hub import try_to_load_from_cache
 from sqlalchemy.orm import Session
 
 from engine.builtin import TINY_CONFIG, TINY_MODEL
+from engine.config import JOB_TYPES
 from engine.hub import is_hub_id
 from engine.model_refs import ModelNotFoundError, chat_template_saved, context_saved, resolve_model_ref
+from engine.rows import dataset_kind
 from jobs.store import crud
 from jobs.store.models import Job
 from jobs.store.settings import Settings
@@ -34,8 +36,17 @@ _JOB_REF = re.compile(r"^job:([A-Za-z0-9_-]+)(?:@(\d+))?$")
 _MAX_STEP = 2**31 - 1
 _FILE_ID = re.compile(r"^file-[A-Za-z0-9_-]+$")
 
-# Which job types may feed which spec field.
-MODEL_SOURCES = {"sft": ("sft", "ppo"), "rm": ("sft", "ppo", "rm"), "ppo": ("sft", "ppo")}
+
+def model_sources(job_type: str) -> tuple[str, ...]:
+    """The job types whose output a ``job_type`` job may start from: any policy, and a reward model's own type
+    (a reward model trained further)."""
+    own = JOB_TYPES[job_type]
+    return tuple(name for name, info in JOB_TYPES.items() if info.output == "policy" or info.output == own.output)
+
+
+def reward_model_sources() -> tuple[str, ...]:
+    """The job types whose output a spec's ``reward_model`` may name."""
+    return tuple(name for name, info in JOB_TYPES.items() if info.output == "reward_model")
 
 
 @dataclass
@@ -62,16 +73,16 @@ def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], art
     ``model_root`` and ``hub_downloads`` are the settings of the same names."""
     resolved = {**spec, "hyperparameters": dict(spec.get("hyperparameters", {}))}
     job_type = spec["type"]
-    resolved["model"] = _model(session, project_id, "model", spec["model"], MODEL_SOURCES[job_type], artifacts,
+    resolved["model"] = _model(session, project_id, "model", spec["model"], model_sources(job_type), artifacts,
                                model_root, hub_downloads)  # fmt: skip
     if spec.get("reward_model"):
-        resolved["reward_model"] = _model(
-            session, project_id, "reward_model", spec["reward_model"], ("rm",), artifacts, model_root, hub_downloads
-        )
+        resolved["reward_model"] = _model(session, project_id, "reward_model", spec["reward_model"],
+                                          reward_model_sources(), artifacts, model_root, hub_downloads)  # fmt: skip
     chat_fields: list[tuple[str, str]] = []  # (field, file) of the datasets holding chat rows
     for field in ("dataset", "eval_dataset"):
         if spec.get(field):
-            resolved[field], chat = _dataset(session, project_id, field, spec[field], job_type, artifacts)
+            kind = JOB_TYPES[job_type].dataset
+            resolved[field], chat = _dataset(session, project_id, field, spec[field], kind, artifacts)
             chat_fields += [(field, spec[field])] if chat else []
     ptx = resolved["hyperparameters"].get("ptx_dataset")
     if ptx:
@@ -111,15 +122,9 @@ def _check_context(spec: dict[str, Any], model: str) -> None:
     context = int(TINY_CONFIG["n_positions"]) if model == TINY_MODEL else context_saved(folder) if folder else None
     if context is None:
         return
-    hp = spec.get("hyperparameters", {})
-    lengths = {"hyperparameters.max_length": ("max_length", hp.get("max_length"))}
-    if spec["type"] == "ppo":
-        total = hp.get("max_prompt_length", 0) + hp.get("response_length", 0)
-        lengths = {"hyperparameters.response_length": ("max_prompt_length + response_length", total)}
-        if hp.get("ptx_coef", 0) > 0:
-            lengths["hyperparameters.max_length"] = ("max_length", hp.get("max_length"))
-    for param, (what, tokens) in lengths.items():
-        if isinstance(tokens, int) and tokens > context:
+    config = JOB_TYPES[spec["type"]].config.model_validate(spec.get("hyperparameters", {}))
+    for param, (what, tokens) in config.token_lengths().items():
+        if tokens > context:
             raise SpecReferenceError(
                 param, "exceeds_context", f"{what} is {tokens} tokens; the model attends to {context} positions"
             )
@@ -230,8 +235,9 @@ def _dataset(session: Session, project_id: str, param: str, ref: str, kind: str,
     file = crud.get_file(session, file_id=ref, project_id=project_id)
     if file is None:
         raise SpecReferenceError(param, "file_not_found", f"no file {ref!r} in this project")
-    if file.purpose != kind:
+    if dataset_kind(file.purpose) != dataset_kind(kind):
         raise SpecReferenceError(
-            param, "wrong_file_purpose", f"{ref} holds {file.purpose} rows; a {kind} file is needed"
-        )
+            param, "wrong_file_purpose", f"{ref} holds {dataset_kind(file.purpose)} rows; a {dataset_kind(kind)} file "
+            "is needed"
+        )  # fmt: skip
     return str(artifacts / file.path), file.chat

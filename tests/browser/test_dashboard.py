@@ -1,6 +1,8 @@
 """The web dashboard in a real headless browser (Debian's chromium, driven by Playwright) against a real
 ``rlhf serve``: sign in, create a PPO job through the form (after a 422 that names its field), watch its charts
-grow from the live stream, pause it, and sample it with the "try it" box.
+grow from the live stream, pause it, and sample it with the "try it" box. Everything that differs by job type
+(the form's types, datasets, model pickers and reward-model row, a job's charts) comes from ``GET /v1/job_types``:
+a type the server adds is offered with no change to the dashboard.
 
 Outside CI the test skips when chromium or Playwright is missing; under ``CI=true`` it fails instead (.ci/run
 installs chromium). ``RLHF_SCREENSHOT=docs/dashboard.png`` also writes the job page's screenshot there.
@@ -17,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from engine.config import JOB_TYPES
 from jobs.client import KEY_FILE, Client
 from jobs.demo import embedded_server
 from jobs.store import crud
@@ -79,6 +82,29 @@ def points(page: Any, metric: str) -> int:
     return int(page.get_attribute(f'figure[data-metric="{metric}"]', "data-points"))
 
 
+def values(page: Any, selector: str) -> list[str]:
+    """The values of the elements ``selector`` matches (a select's options)."""
+    found: list[str] = page.eval_on_selector_all(selector, "els => els.map((e) => e.value)")
+    return found
+
+
+def charted(page: Any) -> list[str]:
+    """The metrics of a job page's headline charts, in order."""
+    found: list[str] = page.eval_on_selector_all("#charts figure", "els => els.map((e) => e.dataset.metric)")
+    return found
+
+
+def hyperparameters(page: Any) -> Any:
+    return json.loads(page.input_value("#hyperparameters"))
+
+
+def sign_in(page: Any, url: str, key: str) -> None:
+    page.goto(url + "/")
+    page.fill("#api-key", key)
+    page.click("#sign-in-form button[type=submit]")
+    page.wait_for_selector("#jobs-table")
+
+
 def test_dashboard_drives_a_ppo_job(browser: Any, server: tuple[Client, str, Path], tmp_path: Path) -> None:
     c, key, data_dir = server
     started = time.monotonic()
@@ -118,13 +144,52 @@ def test_dashboard_drives_a_ppo_job(browser: Any, server: tuple[Client, str, Pat
     page.wait_for_selector(f'#jobs-table tr[data-job-id="{rm["id"]}"][data-status="succeeded"]')
     print(f"sft and rm done after {time.monotonic() - started:.1f}s")
 
-    # The new-job form: pickers, a spec preview that is exactly the body, a 422 shown with its param.
+    # The job types, as the dashboard reads them.
+    types = {t["name"]: t for t in c.request("GET", "/v1/job_types")["data"]}
+    assert list(types) == list(JOB_TYPES)
+
+    # A reward model's page: its type's charts, and no "try it" (it scores text, it does not generate).
+    page.click(f'#jobs-table a[href="#/jobs/{rm["id"]}"]')
+    page.wait_for_selector('#job-status[data-status="succeeded"]')
+    assert charted(page) == types["rm"]["metrics"]
+    page.wait_for_selector('#charts figure[data-metric="loss/rm"]:not([data-points="0"])')
+    assert page.locator("#try-it").count() == 0
+    assert "does not generate" in page.inner_text("#view")
+
+    # The new-job form, built from the job types: its types in the registry's order; per type its example
+    # hyperparameters, built-in datasets, model pickers (jobs/store/refs.py's rule) and reward-model row.
     page.click('a[href="#/new"] >> nth=0')
+    page.wait_for_selector("#job-type")
+    assert values(page, "#job-type option") == list(JOB_TYPES)
+    first = types[page.input_value("#job-type")]
+    assert first["name"] == next(iter(JOB_TYPES))
+    assert hyperparameters(page) == first["example"]["hyperparameters"]
+    assert page.inner_text("#job-type-summary") == first["summary"]
+    page.select_option("#job-type", "rm")
+    assert page.is_hidden("#reward-model")
+    assert hyperparameters(page) == types["rm"]["example"]["hyperparameters"]
+    assert values(page, "#dataset optgroup[label=Built-in] option") == types["rm"]["builtin_datasets"]
+    assert page.input_value("#dataset") == types["rm"]["example"]["dataset"]
+    # A reward model starts from a policy or from a reward model.
+    page.wait_for_selector(f'#model-pick option[value="job:{rm["id"]}"]', state="attached")
+    assert {f"job:{sft['id']}", f"job:{rm['id']}"} <= set(values(page, "#model-pick option"))
     page.select_option("#job-type", "ppo")
-    page.wait_for_selector(f'#model-pick option[value="job:{sft["id"]}"]', state="attached")
+    assert page.is_visible("#reward-model")
+    assert hyperparameters(page) == types["ppo"]["example"]["hyperparameters"]
+    assert values(page, "#dataset optgroup[label=Built-in] option") == types["ppo"]["builtin_datasets"]
+    assert values(page, "#eval-dataset optgroup[label=Built-in] option") == types["ppo"]["builtin_datasets"]
+    # A policy starts from a policy; a reward model is only a reward model.
+    assert f"job:{sft['id']}" in values(page, "#model-pick option")
+    assert f"job:{rm['id']}" not in values(page, "#model-pick option")
+    assert f"job:{rm['id']}" in values(page, "#reward-pick option")
+    assert f"job:{sft['id']}" not in values(page, "#reward-pick option")
+
+    # The rest of the form: pickers, a spec preview that is exactly the body, a 422 shown with its param.
     page.select_option("#model-pick", f"job:{sft['id']}")
     page.select_option("#reward-pick", f"job:{rm['id']}")
     page.select_option("#dataset", "builtin:reviews-prompts")
+    assert page.input_value("#eval-dataset") == types["ppo"]["example"].get("eval_dataset", "")  # the example's
+    page.select_option("#eval-dataset", "")  # no eval: the job stays small
     page.fill("#job-name", "dash-ppo")
     page.fill("#hyperparameters", json.dumps({**PPO_HYPERPARAMETERS, "kl_coef": -1}))
     page.fill("#checkpoint-every", "2")
@@ -156,6 +221,7 @@ def test_dashboard_drives_a_ppo_job(browser: Any, server: tuple[Client, str, Pat
     page.wait_for_function(POINTS_AT_LEAST, arg=["objective/scores", before + 1])
     assert points(page, "objective/scores") > before >= 1
     assert page.inner_text("#live") == "live"
+    assert charted(page) == types["ppo"]["metrics"]  # the type's headline metrics, in its order
     page.wait_for_selector("#checkpoints tr[data-step]")
     # A training-health alert (a warning event whose data names the signal) shows as a banner, live.
     with session_scope(f"sqlite:///{data_dir / 'rlhf.db'}") as session:
@@ -202,3 +268,77 @@ def test_dashboard_drives_a_ppo_job(browser: Any, server: tuple[Client, str, Pat
     assert page.evaluate("sessionStorage.getItem('rlhf-api-key')") is None
     assert not problems, problems  # no script errors, no Content-Security-Policy violations
     print(f"dashboard test took {time.monotonic() - started:.1f}s")
+
+
+def test_the_form_offers_a_type_the_server_adds(browser: Any, server: tuple[Client, str, Path], tmp_path: Path) -> None:
+    """A job type the dashboard has never heard of (added here to the answer of ``GET /v1/job_types`` on its way
+    to the page, as a server with a new type would send it) is offered with its own summary, datasets, uploaded
+    files, model pickers and hyperparameters; files match a type by dataset kind, old purpose names included."""
+    c, key, _ = server
+    types = {t["name"]: t for t in c.request("GET", "/v1/job_types")["data"]}
+    fake = {
+        "name": "fake-dpo",
+        "summary": "a policy straight from preference pairs (a type this server does not have)",
+        "dataset_kind": "preference",
+        "output": "policy",
+        "generates": True,
+        "reward_model": False,
+        "metrics": ["loss/fake", "fake/accuracy"],
+        "hyperparameters": {**types["sft"]["hyperparameters"], "beta": 0.1},
+        "builtin_datasets": types["rm"]["builtin_datasets"],
+        "example": {"dataset": "builtin:reviews-prefs", "hyperparameters": {"beta": 0.2, "batch_size": 16}},
+    }
+    pair = {"prompt": "the film was", "chosen": " great", "rejected": " bad"}
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text(json.dumps(pair) + "\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the film was"}) + "\n")
+    legacy = c.upload_file(prefs, "rm")["id"]  # the earlier name of "preference"
+    prompt_file = c.upload_file(prompts, "prompts")["id"]
+    jobs = c.request("GET", "/v1/jobs", params={"limit": 100})["data"]
+    policies = {f"job:{j['id']}" for j in jobs if j["status"] == "succeeded" and types[j["type"]]["output"] == "policy"}
+    reward_models = {f"job:{j['id']}" for j in jobs if j["status"] == "succeeded"} - policies
+
+    def add_fake(route: Any) -> None:
+        response = route.fetch()
+        body = response.json()
+        body["data"].append(fake)
+        route.fulfill(response=response, json=body)
+
+    page = browser.new_page(viewport={"width": 1360, "height": 1000})
+    page.set_default_timeout(TIMEOUT_MS)
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.route("**/v1/job_types", add_fake)
+    sign_in(page, c.url, key)
+    page.click('a[href="#/new"] >> nth=0')
+    page.wait_for_selector("#job-type")
+    assert values(page, "#job-type option") == [*JOB_TYPES, "fake-dpo"]
+
+    page.select_option("#job-type", "ppo")
+    page.fill("#reward-model", "builtin:tiny")
+    page.wait_for_selector(f'#dataset option[value="{prompt_file}"]', state="attached")
+    assert legacy not in values(page, "#dataset option")
+
+    page.select_option("#job-type", "fake-dpo")
+    assert page.inner_text("#job-type-summary") == fake["summary"]
+    assert page.is_hidden("#reward-model")
+    assert values(page, "#dataset optgroup[label=Built-in] option") == fake["builtin_datasets"]
+    assert legacy in values(page, "#dataset optgroup[label=Uploaded] option")
+    assert prompt_file not in values(page, "#dataset option")
+    assert set(values(page, "#model-pick option")) == {"", "builtin:tiny", *policies}
+    assert set(values(page, "#reward-pick option")) == {"", *reward_models}
+    # An upload for the type is of its dataset kind.
+    page.set_input_files("#upload-file", str(prefs))
+    page.click("#upload")
+    page.wait_for_selector("#upload-status:has-text('1 rows')")
+    uploaded = page.input_value("#dataset")
+    assert c.request("GET", f"/v1/files/{uploaded}")["purpose"] == "preference"
+    # The spec: the type's example hyperparameters, no reward model (it takes none, though one was typed for PPO).
+    example = fake["example"]["hyperparameters"]
+    assert json.loads(page.inner_text("#spec-preview")) == {
+        "type": "fake-dpo", "model": "builtin:tiny", "dataset": uploaded, "hyperparameters": example, "seed": 0,
+    }  # fmt: skip
+    page.close()
+    assert not problems, problems

@@ -127,7 +127,7 @@ def test_load_rows_errors(tmp_path):
         load_rows(str(tmp_path / "missing.jsonl"), "sft")
     with pytest.raises(DatasetError, match="unknown built-in"):
         load_rows("builtin:no-such-data", "sft")
-    with pytest.raises(DatasetError, match="holds rm rows"):
+    with pytest.raises(DatasetError, match="holds preference rows"):
         load_rows("builtin:reviews-prefs", "sft")
 
 

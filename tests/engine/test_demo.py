@@ -1,16 +1,33 @@
-"""The README's main command end to end: the built-in SFT → RM → PPO pipeline really improves the policy."""
+"""The README's main command end to end: the built-in pipelines really improve the policy. SFT → RM → PPO, then
+SFT → DPO in the same folder (the SFT stage is found finished and reused)."""
 
 from pathlib import Path
+
+import pytest
 
 from engine.cli import train
 from engine.demo import run_demo
 
 
-def test_builtin_pipeline_makes_the_policy_positive(tmp_path: Path) -> None:
-    report = run_demo(tmp_path / "demo", train)
-    assert report.rm_eval_accuracy >= 0.9
-    assert report.ppo.positive_share >= 0.9
-    assert report.ppo.positive_share >= report.sft.positive_share + 0.3
-    assert report.ppo.score > report.sft.score
-    assert report.sft.kl == 0.0 and report.ppo.kl > 0.0  # the SFT model is its own reference
-    assert "positive share" in report.table()
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("demo")
+
+
+def test_builtin_pipeline_makes_the_policy_positive(demo_dir: Path) -> None:
+    report = run_demo(demo_dir, train)
+    assert report.rm_eval_accuracy is not None and report.rm_eval_accuracy >= 0.9
+    assert report.trained.positive_share >= 0.9
+    assert report.trained.positive_share >= report.sft.positive_share + 0.3
+    assert report.trained.score is not None and report.sft.score is not None
+    assert report.trained.score > report.sft.score
+    assert report.sft.kl == 0.0 and report.trained.kl > 0.0  # the SFT model is its own reference
+    assert "positive share" in report.table() and "PPO" in report.table()
+
+
+def test_dpo_pipeline_makes_the_policy_positive_without_a_reward_model(demo_dir: Path) -> None:
+    report = run_demo(demo_dir, train, "dpo")
+    assert report.rm_eval_accuracy is None and report.trained.score is None
+    assert report.trained.positive_share >= report.sft.positive_share + 0.25
+    assert report.sft.kl == 0.0 and report.trained.kl > 0.0
+    assert "DPO" in report.table() and "reward model score" not in report.table()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from engine.config import PPOConfig
+from engine.config import JobSpec, PPOConfig
 from engine.health import CollapseMonitor, TrainingCollapseError
 from tests.engine.helpers import Pretrained, make_spec, train
 from tests.recorder import Recorder
@@ -137,15 +137,59 @@ def test_state_round_trips_and_the_restored_monitor_decides_alike() -> None:
 
 
 def test_config_fields_are_validated() -> None:
-    assert PPOConfig().on_collapse == "warn"
-    with pytest.raises(ValidationError, match="collapse_warmup"):
-        PPOConfig(collapse_warmup=11, collapse_window=10)
+    assert PPOConfig().collapse.action == "warn"
+    with pytest.raises(ValidationError, match=r"warmup \(11\) must be at most window \(10\)"):
+        PPOConfig.model_validate({"collapse": {"warmup": 11, "window": 10}})
     with pytest.raises(ValidationError):
-        PPOConfig.model_validate({"on_collapse": "explode"})
+        PPOConfig.model_validate({"collapse": {"action": "explode"}})
     with pytest.raises(ValidationError):
-        PPOConfig(collapse_perplexity_ratio=1.5)
+        PPOConfig.model_validate({"collapse": {"perplexity_ratio": 1.5}})
+    with pytest.raises(ValidationError, match=r"collapse\.bogus"):
+        PPOConfig.model_validate({"collapse": {"bogus": 1}})
     with pytest.raises(ValueError, match="warmup"):
         CollapseMonitor(window=3, warmup=4)
+
+
+FLAT = {
+    "on_collapse": ("action", "pause"),
+    "collapse_window": ("window", 8),
+    "collapse_warmup": ("warmup", 3),
+    "collapse_reward_z": ("reward_z", None),
+    "collapse_kl_factor": ("kl_factor", 2.0),
+    "collapse_kl_min": ("kl_min", 1.0),
+    "collapse_perplexity_ratio": ("perplexity_ratio", 0.25),
+    "collapse_length_factor": ("length_factor", 3.0),
+}
+
+
+def test_the_flat_names_of_the_collapse_settings_are_moved_into_the_group() -> None:
+    flat = PPOConfig.model_validate({name: value for name, (_, value) in FLAT.items()})
+    nested = PPOConfig.model_validate({"collapse": dict(FLAT.values())})
+    assert flat == nested and flat.collapse.model_dump() == dict(FLAT.values())
+    assert "on_collapse" not in flat.model_dump() and flat.model_dump()["collapse"]["action"] == "pause"
+    # flat and nested settings mix, each setting given once
+    mixed = PPOConfig.model_validate({"collapse_window": 8, "collapse": {"warmup": 3}})
+    assert (mixed.collapse.window, mixed.collapse.warmup, mixed.collapse.action) == (8, 3, "warn")
+    with pytest.raises(ValidationError, match="warmup"):  # the warmup ≤ window check sees the flat names too
+        PPOConfig.model_validate({"collapse_warmup": 11, "collapse_window": 10})
+    with pytest.raises(ValidationError):
+        PPOConfig.model_validate({"on_collapse": "explode"})
+
+
+@pytest.mark.parametrize("flat", list(FLAT))
+def test_a_collapse_setting_given_flat_and_nested_is_an_error(flat) -> None:
+    name, value = FLAT[flat]
+    with pytest.raises(ValidationError, match=rf"{flat} and collapse\.{name} are the same setting"):
+        PPOConfig.model_validate({flat: value, "collapse": {name: value}})
+
+
+def test_a_stored_spec_holds_the_group_and_reads_back_alike() -> None:
+    spec = make_spec("ppo", reward_model="job:rm", hyperparameters={"on_collapse": "stop", "collapse_kl_min": 2.0})
+    stored = spec.model_dump(mode="json")
+    assert not any(key.startswith(("on_collapse", "collapse_")) for key in stored["hyperparameters"])
+    assert stored["hyperparameters"]["collapse"]["action"] == "stop"
+    assert stored["hyperparameters"]["collapse"]["kl_min"] == 2.0
+    assert JobSpec.model_validate(stored).config == spec.config
 
 
 # --- a real PPO run driven into collapse ------------------------------------------------------------------------
@@ -169,7 +213,7 @@ def collapsing_spec(pretrained: Pretrained, on_collapse: str, total_steps: int =
             "kl_coef": 0.0,
             "missing_eos_penalty": 0.0,
             "critic_warmup_steps": WARMUP,
-            "on_collapse": on_collapse,
+            "collapse": {"action": on_collapse},
         },
         checkpoint_every=2,
     )

@@ -1,5 +1,5 @@
-"""One job in two processes (torchrun, gloo on the CPU) against the same job in one: SFT and the reward model
-train to the same losses and weights with the same global batch, a pause and resume in two processes lands on
+"""One job in two processes (torchrun, gloo on the CPU) against the same job in one: SFT, the reward model and
+DPO train to the same losses and weights with the same global batch, a pause and resume in two processes lands on
 the same weights, and a rank's failure or a callback's error ends the job as it would in one process."""
 
 from pathlib import Path
@@ -19,7 +19,7 @@ GLOBAL_BATCH = {"max_steps": 4, "batch_size": 8, "gradient_accumulation_steps": 
 
 
 def spec(job_type: str, processes: int, **hyperparameters: Any) -> JobSpec:
-    datasets = {"sft": "builtin:reviews-sft", "rm": "builtin:reviews-prefs"}
+    datasets = {"sft": "builtin:reviews-sft", "rm": "builtin:reviews-prefs", "dpo": "builtin:reviews-prefs"}
     return JobSpec.model_validate(
         {
             "type": job_type,
@@ -95,6 +95,18 @@ def test_reward_model_in_two_processes_trains_as_one(tmp_path: Path) -> None:
     assert (result.status, result.step, recorder.checkpoint_steps()) == ("succeeded", 4, [2, 4])
     assert_same_metrics(recorder.metrics, reference.metrics)
     assert_same_weights(tmp_path / "two", tmp_path / "one", lr=5e-4)
+
+
+def test_dpo_in_two_processes_trains_as_one(tmp_path: Path) -> None:
+    """Each rank scores its share of the pairs against its own frozen reference; rewards and log-probs gathered
+    over the ranks, the SFT term normalised by the whole batch's chosen tokens."""
+    options = {"learning_rate": 1e-3, "sft_loss_coef": 0.5}
+    reference = one_process("dpo", tmp_path / "one", **options)
+    recorder = Recorder()
+    result = run_distributed(spec("dpo", 2, **options), tmp_path / "two", recorder, 2)
+    assert (result.status, result.step, recorder.checkpoint_steps()) == ("succeeded", 4, [2, 4])
+    assert_same_metrics(recorder.metrics, reference.metrics)
+    assert_same_weights(tmp_path / "two", tmp_path / "one", lr=1e-3)
 
 
 def test_a_failing_rank_fails_the_job_with_its_error_code(tmp_path: Path) -> None:

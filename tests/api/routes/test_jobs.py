@@ -91,7 +91,7 @@ def test_enqueue_failure_is_503_and_the_job_is_not_left_queued(client: TestClien
         ({**SFT_SPEC, "hyperparameters": {"nope": 1}}, "hyperparameters.nope", "Extra inputs"),
         ({**PPO_SPEC, "hyperparameters": {"kl_coef": -1}}, "hyperparameters.kl_coef", "greater than or equal"),
         ({**SFT_SPEC, "unknown_field": 1}, "unknown_field", "Extra inputs"),
-        ({**SFT_SPEC, "dataset": "builtin:reviews-prefs"}, "dataset", "rm rows"),
+        ({**SFT_SPEC, "dataset": "builtin:reviews-prefs"}, "dataset", "preference rows"),
         ({**SFT_SPEC, "model": "builtin:huge"}, "model", "unknown built-in model"),
         ({**SFT_SPEC, "model": "builtin:../../../etc/passwd"}, "model", "unknown built-in model"),
         ({**PPO_SPEC, "reward_model": "builtin:x"}, "reward_model", "unknown built-in model"),

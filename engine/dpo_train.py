@@ -1,0 +1,209 @@
+"""Direct preference optimisation (Rafailov et al., arXiv:2305.18290): the policy is trained on preference pairs
+to raise the log-ratio of the chosen completion over the rejected one, each measured against a frozen reference,
+the starting policy. No reward model and no sampling: one forward of the policy and one of the reference per pair.
+
+The reference is a frozen copy of the starting model, or with LoRA the trained model itself with its adapters
+switched off (one copy of the weights in memory). Its log-probabilities are computed once per batch without a
+graph. The losses (``sigmoid``, ``ipo``, ``hinge``) are in engine/dpo.py; the metrics take TRL's names.
+"""
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import PeftModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from engine.callbacks import Callbacks
+from engine.config import DPOConfig, JobSpec
+from engine.data import (
+    batch_indices,
+    encode_completion,
+    labelled_batch,
+    load_rows,
+    preference_parts,
+    require_chat_template,
+)
+from engine.distributed import Ranks
+from engine.dpo import IGNORE_INDEX, DPOLossOut, dpo_loss, sequence_logps
+from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
+from engine.models import check_fits, lm_logits, load_causal_lm, load_tokenizer, prepare
+
+EVAL_BATCH = 32
+"""Pairs per forward when evaluating."""
+
+
+def encode_preference_batch(
+    tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]], max_length: int
+) -> dict[str, torch.Tensor]:
+    """The chosen completions of ``rows``, then their rejected ones, in one right-padded batch (2B, L); labels
+    mark each completion's tokens (prompt and padding -100)."""
+    parts = [preference_parts(row) for row in rows]
+    chosen = [encode_completion(tokenizer, prompt, good) for prompt, good, _ in parts]
+    rejected = [encode_completion(tokenizer, prompt, bad) for prompt, _, bad in parts]
+    return labelled_batch(chosen + rejected, tokenizer.pad_token_id, max_length)
+
+
+def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], mean: bool) -> torch.Tensor:
+    """Log-probability (2B,) of each sequence's completion under ``model``: summed over its tokens, or (``mean``,
+    for ipo) averaged over them."""
+    logps = sequence_logps(lm_logits(model, batch["input_ids"], batch["attention_mask"]), batch["labels"])
+    if not mean:
+        return logps
+    return logps / (batch["labels"][:, 1:] != IGNORE_INDEX).sum(-1).clamp(min=1)
+
+
+@torch.no_grad()
+def reference_logps(
+    reference: PreTrainedModel | None, policy: PreTrainedModel, batch: dict[str, torch.Tensor], mean: bool
+) -> torch.Tensor:
+    """:func:`completion_logps` under the reference: ``reference``, or with LoRA (None) ``policy`` with its
+    adapters disabled."""
+    if reference is not None:
+        return completion_logps(reference, batch, mean)
+    assert isinstance(policy, PeftModel)
+    with policy.disable_adapter():
+        return completion_logps(policy, batch, mean)
+
+
+def chosen_nll_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], pairs: int) -> torch.Tensor:
+    """Summed next-token loss of the first ``pairs`` sequences (the chosen completions), for RPO's SFT term."""
+    logps = sequence_logps(
+        lm_logits(model, batch["input_ids"][:pairs], batch["attention_mask"][:pairs]), batch["labels"][:pairs]
+    )
+    return -logps.sum()
+
+
+def pair_metrics(out: DPOLossOut, chosen: torch.Tensor, rejected: torch.Tensor, prefix: str = "") -> dict[str, float]:
+    """TRL's DPO metrics over the pairs: loss, implicit rewards, their accuracy and margin, policy log-probs."""
+    return {
+        f"{prefix}loss/dpo": out.losses.mean().item(),
+        f"{prefix}rewards/chosen": out.chosen_rewards.mean().item(),
+        f"{prefix}rewards/rejected": out.rejected_rewards.mean().item(),
+        f"{prefix}rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).float().mean().item(),
+        f"{prefix}rewards/margins": (out.chosen_rewards - out.rejected_rewards).mean().item(),
+        f"{prefix}logps/chosen": chosen.mean().item(),
+        f"{prefix}logps/rejected": rejected.mean().item(),
+    }
+
+
+@torch.no_grad()
+def evaluate(
+    policy: PreTrainedModel, reference: PreTrainedModel | None, batches: list[dict[str, torch.Tensor]], cfg: DPOConfig
+) -> dict[str, float]:
+    """The ``eval/`` metrics over held-out pairs."""
+    policy.eval()
+    mean = cfg.loss_type == "ipo"
+    logps, ref_logps = [], []
+    for batch in batches:
+        logps.append(completion_logps(policy, batch, mean).chunk(2))
+        ref_logps.append(reference_logps(reference, policy, batch, mean).chunk(2))
+    chosen, rejected = (torch.cat(parts) for parts in zip(*logps, strict=True))
+    ref_chosen, ref_rejected = (torch.cat(parts) for parts in zip(*ref_logps, strict=True))
+    out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=cfg.beta, loss_type=cfg.loss_type,
+                   label_smoothing=cfg.label_smoothing)  # fmt: skip
+    return pair_metrics(out, chosen, rejected, prefix="eval/")
+
+
+def train_dpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
+    cfg = spec.config
+    assert isinstance(cfg, DPOConfig)
+    seed_everything(spec.seed)
+    ranks = Ranks.current()  # several processes: each takes its share of every batch
+    mean_logps = cfg.loss_type == "ipo"  # IPO compares per-token averages
+
+    # 1. data: the batch order is a function of (seed, step), so resuming needs only the step
+    rows = load_rows(spec.dataset, "preference")
+    eval_rows = load_rows(spec.eval_dataset, "preference") if spec.eval_dataset and ranks.is_main else []
+    total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(rows)) // cfg.batch_size)
+
+    # 2. the policy (restored from the last checkpoint when there is one), the frozen reference (always the
+    #    starting model), optimizer and schedule
+    tokenizer = load_tokenizer(spec.model)
+    require_chat_template(tokenizer, rows, "dataset")
+    require_chat_template(tokenizer, eval_rows, "eval_dataset")
+    run = Run(spec, out_dir, callbacks, tokenizer, ranks)
+
+    def causal_lm(ref: str) -> PreTrainedModel:
+        return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
+
+    model = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
+    check_fits(model, cfg.max_length, "hyperparameters.max_length")
+    reference = None  # with LoRA: the policy with its adapters off
+    if spec.lora is None:
+        reference = prepare(load_causal_lm(spec.model, tokenizer, spec.seed), device, cfg.dtype, False).eval()
+        reference.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    trained = ranks.wrap(model)  # DistributedDataParallel with several processes
+    optimizer = make_optimizer(params, cfg, cfg.learning_rate)
+    scheduler = make_scheduler(optimizer, cfg, total_steps)
+    start_step, _ = run.start(total_steps, optimizer, scheduler)
+    if done := run.result_if_finished(start_step):
+        return done
+
+    def encoded(pairs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return {k: v.to(device) for k, v in encode_preference_batch(tokenizer, pairs, cfg.max_length).items()}
+
+    eval_batches = [encoded(eval_rows[i : i + EVAL_BATCH]) for i in range(0, len(eval_rows), EVAL_BATCH)]
+
+    pairs_per_micro = cfg.micro_batch_size // ranks.world_size
+    for step in range(start_step + 1, total_steps + 1):
+        t0 = time.perf_counter()
+        # 3. this process's share of the batch's pairs, in micro-batches of chosen-then-rejected sequences
+        batch_rows = [rows[i] for i in batch_indices(len(rows), cfg.batch_size, spec.seed, step - 1)]
+        share_rows = batch_rows[ranks.share(cfg.batch_size)]
+        micro_batches = [
+            encoded(share_rows[i : i + pairs_per_micro]) for i in range(0, len(share_rows), pairs_per_micro)
+        ]
+        counts = torch.tensor([[int(b["attention_mask"].sum()), int((b["labels"][: len(b["labels"]) // 2, 1:]
+                                != IGNORE_INDEX).sum())] for b in micro_batches]).sum(0)  # fmt: skip
+        n_seen, n_chosen_tokens = ranks.sum(counts).tolist()  # every token (throughput); RPO's token count
+
+        # 4. the reference's log-probs, once per batch and without a graph
+        model.eval()
+        ref_logps = [reference_logps(reference, model, b, mean_logps).chunk(2) for b in micro_batches]
+
+        # 5. the preference loss (a mean over the batch's pairs), accumulated over the micro-batches
+        model.train()
+        loss_total = torch.zeros((), device=device)
+        outs, policy_chosen, policy_rejected = [], [], []
+        for i, batch in enumerate(micro_batches):
+            pairs = len(batch["input_ids"]) // 2
+            with ranks.no_sync(trained, last=i == len(micro_batches) - 1):
+                chosen, rejected = completion_logps(trained, batch, mean_logps).chunk(2)
+                out = dpo_loss(chosen, rejected, *ref_logps[i], beta=cfg.beta, loss_type=cfg.loss_type,
+                               label_smoothing=cfg.label_smoothing)  # fmt: skip
+                loss = out.losses.sum() / cfg.batch_size
+                if cfg.sft_loss_coef > 0:
+                    loss = loss + cfg.sft_loss_coef * chosen_nll_sum(trained, batch, pairs) / n_chosen_tokens
+                (loss * ranks.loss_scale).backward()
+            loss_total += loss.detach()
+            outs.append(out)
+            policy_chosen.append(chosen.detach())
+            policy_rejected.append(rejected.detach())
+        loss_sum = ranks.sum(loss_total).item()
+        check_finite("loss/dpo", loss_sum, step)
+        lr = optimizer.param_groups[0]["lr"]
+        grad_norm = clip_and_step(params, optimizer, cfg.max_grad_norm)
+        scheduler.step()
+
+        # 6. metrics over the whole batch, eval, checkpoint, stop request
+        def gathered(parts: list[torch.Tensor]) -> torch.Tensor:
+            return ranks.gather(torch.cat(parts))
+
+        batch_out = DPOLossOut(
+            losses=gathered([o.losses.detach() for o in outs]),
+            chosen_rewards=gathered([o.chosen_rewards for o in outs]),
+            rejected_rewards=gathered([o.rejected_rewards for o in outs]),
+        )
+        elapsed = time.perf_counter() - t0
+        metrics = pair_metrics(batch_out, gathered(policy_chosen), gathered(policy_rejected))
+        metrics["loss/dpo"] = loss_sum  # the optimised loss, RPO's term included
+        metrics.update({"lr": lr, "grad_norm": grad_norm, "time/step_s": elapsed,
+                        "throughput/tokens_per_s": n_seen / elapsed})  # fmt: skip
+        if eval_batches and (step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+            metrics.update(evaluate(model, reference, eval_batches, cfg))
+        if result := run.end_step(step, metrics, {"policy": model}):
+            return result
+    raise AssertionError("unreachable: the last step ends the run")
