@@ -45,13 +45,14 @@ def encode_preference_batch(
     return labelled_batch(chosen + rejected, tokenizer.pad_token_id, max_length)
 
 
-def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], mean: bool) -> torch.Tensor:
-    """Log-probability (2B,) of each sequence's completion under ``model``: summed over its tokens, or (``mean``,
-    for ipo) averaged over them."""
-    logps = sequence_logps(lm_logits(model, batch["input_ids"], batch["attention_mask"]), batch["labels"])
-    if not mean:
-        return logps
-    return logps / (batch["labels"][:, 1:] != IGNORE_INDEX).sum(-1).clamp(min=1)
+def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Log-probability (2B,) of each sequence's completion under ``model``, summed over its tokens."""
+    return sequence_logps(lm_logits(model, batch["input_ids"], batch["attention_mask"]), batch["labels"])
+
+
+def compared(logps: torch.Tensor, batch: dict[str, torch.Tensor], mean: bool) -> torch.Tensor:
+    """What the loss compares of :func:`completion_logps`: the sums, or (``mean``, for ipo) per-token averages."""
+    return logps / (batch["labels"][:, 1:] != IGNORE_INDEX).sum(-1).clamp(min=1) if mean else logps
 
 
 @torch.no_grad()
@@ -61,18 +62,10 @@ def reference_logps(
     """:func:`completion_logps` under the reference: ``reference``, or with LoRA (None) ``policy`` with its
     adapters disabled."""
     if reference is not None:
-        return completion_logps(reference, batch, mean)
+        return compared(completion_logps(reference, batch), batch, mean)
     assert isinstance(policy, PeftModel)
     with policy.disable_adapter():
-        return completion_logps(policy, batch, mean)
-
-
-def chosen_nll_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], pairs: int) -> torch.Tensor:
-    """Summed next-token loss of the first ``pairs`` sequences (the chosen completions), for RPO's SFT term."""
-    logps = sequence_logps(
-        lm_logits(model, batch["input_ids"][:pairs], batch["attention_mask"][:pairs]), batch["labels"][:pairs]
-    )
-    return -logps.sum()
+        return compared(completion_logps(policy, batch), batch, mean)
 
 
 def pair_metrics(out: DPOLossOut, chosen: torch.Tensor, rejected: torch.Tensor, prefix: str = "") -> dict[str, float]:
@@ -97,7 +90,7 @@ def evaluate(
     mean = cfg.loss_type == "ipo"
     logps, ref_logps = [], []
     for batch in batches:
-        logps.append(completion_logps(policy, batch, mean).chunk(2))
+        logps.append(compared(completion_logps(policy, batch), batch, mean).chunk(2))
         ref_logps.append(reference_logps(reference, policy, batch, mean).chunk(2))
     chosen, rejected = (torch.cat(parts) for parts in zip(*logps, strict=True))
     ref_chosen, ref_rejected = (torch.cat(parts) for parts in zip(*ref_logps, strict=True))
@@ -169,14 +162,15 @@ def train_dpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         loss_total = torch.zeros((), device=device)
         outs, policy_chosen, policy_rejected = [], [], []
         for i, batch in enumerate(micro_batches):
-            pairs = len(batch["input_ids"]) // 2
             with ranks.no_sync(trained, last=i == len(micro_batches) - 1):
-                chosen, rejected = completion_logps(trained, batch, mean_logps).chunk(2)
+                sums = completion_logps(trained, batch)  # (2b,): the chosen completions, then the rejected
+                chosen, rejected = compared(sums, batch, mean_logps).chunk(2)
                 out = dpo_loss(chosen, rejected, *ref_logps[i], beta=cfg.beta, loss_type=cfg.loss_type,
                                label_smoothing=cfg.label_smoothing)  # fmt: skip
                 loss = out.losses.sum() / cfg.batch_size
                 if cfg.sft_loss_coef > 0:
-                    loss = loss + cfg.sft_loss_coef * chosen_nll_sum(trained, batch, pairs) / n_chosen_tokens
+                    # RPO: the chosen completions' next-token loss, from the same forward
+                    loss = loss - cfg.sft_loss_coef * sums.chunk(2)[0].sum() / n_chosen_tokens
                 (loss * ranks.loss_scale).backward()
             loss_total += loss.detach()
             outs.append(out)

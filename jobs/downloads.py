@@ -125,9 +125,9 @@ def _watch(
         request = check()
         if request is not None:
             raise DownloadStopped(request)
-        now = time.monotonic()
-        if cache_bytes(ref) != size:
-            size, progress_at = cache_bytes(ref), now
+        now, fetched = time.monotonic(), cache_bytes(ref)
+        if fetched != size:
+            size, progress_at = fetched, now
         if now - progress_at > stall_s:
             raise HubDownloadError(
                 f"downloading {ref!r}: the Hugging Face hub ({constants.ENDPOINT}) sent nothing for {stall_s:g} s"

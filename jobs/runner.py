@@ -417,8 +417,8 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
     # 3. train, resuming from the newest checkpoint in out_dir if there is one: in this process, or in
     #    resources.num_processes processes under torchrun
     processes = spec.resources.num_processes
-    if processes > _processors():
-        where = f"{_processors()} GPUs" if torch.cuda.is_available() else f"{_processors()} CPU cores"
+    if processes > (available := _processors()):
+        where = f"{available} GPUs" if torch.cuda.is_available() else f"{available} CPU cores"
         return _failure("invalid_spec", f"resources.num_processes is {processes}, and this worker has {where}")
     try:
         if processes == 1:
