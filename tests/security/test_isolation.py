@@ -106,6 +106,9 @@ def test_another_projects_objects_are_invisible_on_every_route(
         assert client.get("/v1/files", params={"after": file.id}).json() == {"data": [], "has_more": False}
         assert client.get("/v1/files").json() == {"data": [], "has_more": False}
         walked |= {("GET", "/v1/jobs"), ("GET", "/v1/files")}
+        # The job types are the server's, not a project's: both projects see the same list.
+        assert client.get("/v1/job_types").json() == client.get("/v1/job_types", headers=a.headers).json()
+        walked.add(("GET", "/v1/job_types"))
 
         # Creating: A's jobs and files cannot be named, as a model, a reward model or a dataset.
         refs = [

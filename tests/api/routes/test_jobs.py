@@ -95,7 +95,7 @@ def test_enqueue_failure_is_503_and_the_job_is_not_left_queued(client: TestClien
         ({**SFT_SPEC, "model": "builtin:huge"}, "model", "unknown built-in model"),
         ({**SFT_SPEC, "model": "builtin:../../../etc/passwd"}, "model", "unknown built-in model"),
         ({**PPO_SPEC, "reward_model": "builtin:x"}, "reward_model", "unknown built-in model"),
-        ({**SFT_SPEC, "type": "dpo"}, "type", "sft"),
+        ({**SFT_SPEC, "type": "orpo"}, "type", "sft"),  # an unknown type: the message lists the known ones
         ({"type": "sft", "dataset": "builtin:reviews-sft"}, "model", "required"),
         ({**SFT_SPEC, "lora": {"r": 0}}, "lora.r", "greater than"),
         ({**SFT_SPEC, "seed": -1}, "seed", "greater than"),
