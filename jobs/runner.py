@@ -325,7 +325,7 @@ def error_code(error: BaseException) -> str:
     if isinstance(error, NonFiniteLossError):
         return "non_finite_loss"
     if isinstance(error, TrainingCollapseError):
-        return "training_collapse"  # a PPO collapse signal, with hyperparameters.on_collapse "stop"
+        return "training_collapse"  # a PPO collapse signal, with hyperparameters.collapse.action "stop"
     if isinstance(error, torch.cuda.OutOfMemoryError | MemoryError) or _cpu_out_of_memory(error):
         return "out_of_memory"
     if isinstance(error, ValueError):
