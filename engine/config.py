@@ -20,10 +20,17 @@ from pydantic import (
     model_validator,
 )
 
-from engine.builtin import DATASETS, TINY_MODEL
+from engine.builtin import DATASETS, TINY_MODEL, digits
+from engine.graders import Grader, ModelGrader
 from engine.rows import DatasetKind, dataset_kind
 
 Scheduler = Literal["constant", "linear", "cosine"]
+Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+"""GRPOConfig's advantage estimators (engine/grpo.py)."""
+Aggregation = Literal["token_mean", "sequence_mean", "constant"]
+"""GRPOConfig's loss aggregations (engine/grpo.py)."""
+WHITENED: tuple[Estimator, ...] = ("reinforce_pp", "reinforce_pp_baseline")
+"""The estimators whose advantages are whitened over the batch's tokens."""
 
 
 def _clean_text(value: str) -> str:
@@ -324,6 +331,101 @@ class PPOConfig(TrainConfig):
         return data
 
 
+class GRPOConfig(TrainConfig):
+    """Critic-free RL: several samples per prompt, each scored by the job's ``reward``, the advantage taken
+    against the other samples of its prompt (or the batch), a clipped surrogate loss, an optional KL pull to the
+    starting policy (Shao et al., arXiv:2402.03300, and the estimators of ``advantage_estimator``)."""
+
+    def process_shares(self, processes: int) -> dict[str, int]:
+        # prompts are rolled out split over the processes, samples trained on in minibatches split likewise
+        return {"batch_size": processes, "mini_batch_size": processes * self.gradient_accumulation_steps}
+
+    def token_lengths(self) -> dict[str, tuple[str, int]]:
+        return {"hyperparameters.response_length": ("max_prompt_length + response_length",
+                                                    self.max_prompt_length + self.response_length)}  # fmt: skip
+
+    learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-5
+    """Policy AdamW learning rate."""
+    total_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
+    """Steps; one step samples ``batch_size`` prompts ``group_size`` times each and trains on them."""
+    batch_size: Annotated[int, Field(ge=1, le=65_536)] = 16
+    """Prompts per step."""
+    group_size: Annotated[int, Field(ge=1, le=1024)] = 8
+    """Samples per prompt (GRPO's G); each prompt is prefilled once for its whole group."""
+    mini_batch_size: Annotated[int, Field(ge=1, le=1_048_576)] = 64
+    """Samples per optimizer step; ``batch_size × group_size`` must be a multiple of it."""
+    num_iterations: Annotated[int, Field(ge=1, le=100)] = 1
+    """Passes over each step's samples (GRPO's μ); with 1 every update is on-policy and the ratio stays 1 in
+    its first minibatch."""
+    advantage_estimator: Estimator = "grpo"
+    """``grpo``: (r - group mean) / group std; ``dr_grpo``: r - group mean (Liu et al., arXiv:2503.20783);
+    ``rloo``: r - the mean of the prompt's other samples (Ahmadian et al., arXiv:2402.14740);
+    ``reinforce_pp``: the return of the score and the KL rewards, whitened over the batch (Hu,
+    arXiv:2501.03262); ``reinforce_pp_baseline``: the same, the group mean subtracted from the score first."""
+    max_prompt_length: Annotated[int, Field(ge=1, le=131_072)] = 64
+    """Prompts longer than this are truncated from the left."""
+    response_length: Annotated[int, Field(ge=1, le=65_536)] = 32
+    """Tokens sampled per response at most (sampling ends once every response stopped)."""
+    temperature: Annotated[float, Field(gt=0, le=10)] = 1.0
+    """Sampling temperature; log-probs in training use the same temperature."""
+    top_k: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    """Sample from the k most likely tokens only (0: the whole vocabulary)."""
+    stop_token: Literal["eos"] | None = "eos"
+    """Truncate each response after its first EOS token (None: never truncate)."""
+    kl_coef: Annotated[float, Field(ge=0, le=100)] = 0.04
+    """β of the KL to the reference (the starting policy); 0: no reference is loaded at all."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (http://joschu.net/blog/kl-approx.html): k1 = log π - log π_ref, k2 = ½ k1²,
+    k3 = e^-k1 - 1 + k1 (GRPO's)."""
+    kl_in_reward: bool | None = None
+    """Where the KL enters: as a penalty in the reward (its return added to the advantage), or as a loss term
+    β·KL. None: in the reward for the ``reinforce_pp`` estimators, as a loss term for the others."""
+    cliprange_low: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    """The ratio is clipped below at 1 - cliprange_low."""
+    cliprange_high: Annotated[float, Field(gt=0, le=10)] = 0.2
+    """The ratio is clipped above at 1 + cliprange_high; above ``cliprange_low`` it is DAPO's clip-higher
+    (arXiv:2503.14476, 0.28), which keeps rare tokens' probabilities free to grow."""
+    loss_aggregation: Aggregation | None = None
+    """How per-token losses become the minibatch's loss: ``token_mean`` (every token alike), ``sequence_mean``
+    (each response's mean, then the mean over responses: the GRPO paper's), ``constant`` (the sum over
+    (responses × response_length): Dr. GRPO's, no length bias). None: ``constant`` for ``dr_grpo``,
+    ``token_mean`` otherwise."""
+    eval_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    """With an eval dataset: sample each of its prompts once every this many steps (and at the end) and report
+    ``eval/reward`` and its components by ``eval_reward`` (default: the training reward)."""
+    eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
+    """Use at most this many eval prompts (the first ones)."""
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.mini_batch_size // self.gradient_accumulation_steps
+
+    @property
+    def kl_as_reward(self) -> bool:
+        """Whether the KL is a penalty in the reward (else a loss term)."""
+        return self.advantage_estimator in WHITENED if self.kl_in_reward is None else self.kl_in_reward
+
+    @property
+    def aggregation(self) -> Aggregation:
+        if self.loss_aggregation is not None:
+            return self.loss_aggregation
+        return "constant" if self.advantage_estimator == "dr_grpo" else "token_mean"
+
+    @model_validator(mode="after")
+    def _divides(self) -> "GRPOConfig":
+        samples = self.batch_size * self.group_size
+        _check_divides("batch_size × group_size", samples, "mini_batch_size", self.mini_batch_size)
+        _check_divides(
+            "mini_batch_size", self.mini_batch_size, "gradient_accumulation_steps", self.gradient_accumulation_steps
+        )
+        if self.group_size < 2 and self.advantage_estimator != "reinforce_pp":
+            raise ValueError(
+                f"advantage_estimator {self.advantage_estimator} compares the samples of a prompt: group_size must "
+                "be at least 2 (reinforce_pp alone takes 1)"
+            )
+        return self
+
+
 class LoraSpec(_Strict):
     """Low-rank adapters on the policy."""
 
@@ -401,7 +503,11 @@ class JobTypeInfo:
     metrics: tuple[str, ...]
     """Headline metrics: the dashboard's charts, and the first three on the CLI's progress line."""
     reward_model: bool = False
-    """Whether a ``reward_model`` is required (and allowed)."""
+    """Whether it trains against a reward: a ``reward_model`` or a ``reward`` is required (and allowed, with an
+    ``eval_reward``)."""
+    demo_task: Literal["reviews", "digits"] = "reviews"
+    """The built-in task of its demo (engine/demo.py ``TASKS``): what SFT trains on first, and how the
+    policies are judged."""
     demo: dict[str, Any] = field(default_factory=dict)
     """Its stage of ``rlhf demo`` on the built-in reviews task: the spec less ``type``, ``model`` and
     ``reward_model`` (which the demo fills in); the dashboard's new-job form starts from it too."""
@@ -510,6 +616,39 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
             "checkpoint_every": 1000,
         },
     ),
+    "grpo": JobTypeInfo(
+        summary="critic-free RL (GRPO, Dr. GRPO, RLOO, REINFORCE++) against rules, functions, HTTP services or a "
+        "reward model",
+        config=GRPOConfig,
+        dataset="prompts",
+        output="policy",
+        trainer="engine.grpo_train:train_grpo",
+        metrics=(
+            "reward/mean",
+            "eval/reward",
+            "groups/tied_fraction",
+            "reward/std",
+            "objective/kl",
+            "response/length_mean",
+            "loss/policy",
+            "policy/clipfrac",
+        ),
+        reward_model=True,
+        demo={
+            "dataset": "builtin:digits-prompts",
+            "eval_dataset": "builtin:digits-prompts-eval",
+            "reward": digits.GRADER,
+            "hyperparameters": {
+                "total_steps": 200,
+                "batch_size": 32,
+                "learning_rate": 5e-4,
+                "response_length": 4,
+                "eval_every": 50,
+            },
+            "checkpoint_every": 50,
+        },
+        demo_task="digits",
+    ),
 }
 """The job types, by the name a spec's ``type`` gives."""
 HYPERPARAMETERS: dict[str, type[TrainConfig]] = {name: info.config for name, info in JOB_TYPES.items()}
@@ -538,7 +677,14 @@ class JobSpec(_Strict):
     eval_dataset: Annotated[str, Field(min_length=1, max_length=500)] | None = None
     """Held-out data of the same kind, for eval metrics."""
     reward_model: Annotated[str, Field(min_length=1, max_length=500)] | None = None
-    """PPO only: a succeeded rm job, or any sequence-classification model."""
+    """The reward of ppo and grpo jobs as a model: a succeeded rm job, or any sequence-classification model.
+    Shorthand for ``reward: {"type": "model", "model": ...}``; give one of the two."""
+    reward: Grader | None = None
+    """The reward of ppo and grpo jobs: a grader (engine/graders.py; OpenAI's grader JSON where it has one):
+    ``model``, ``string_check``, ``text_similarity``, ``http``, ``python``, or ``multi`` combining them."""
+    eval_reward: Grader | None = None
+    """What scores the samples of ``eval_dataset`` (ppo and grpo): any grader; default the training reward.
+    A reward the policy cannot game (a rule, another model) shows reward hacking on the dashboard."""
     hyperparameters: dict[str, Any] = Field(default_factory=dict, validate_default=True)
     """Type-specific settings (SFTConfig, RMConfig or PPOConfig); validated, defaults documented there."""
     lora: LoraSpec | None = None
@@ -604,14 +750,24 @@ class JobSpec(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _reward_model_where_needed(self) -> "JobSpec":
+    def _reward_where_needed(self) -> "JobSpec":
         needs = JOB_TYPES[self.type].reward_model
-        if needs and self.reward_model is None:
-            raise ValueError(f"reward_model is required for {self.type} jobs")
-        if not needs and self.reward_model is not None:
-            takes = [name for name, info in JOB_TYPES.items() if info.reward_model]
-            raise ValueError(f"reward_model applies to {' and '.join(takes)} jobs only, not {self.type}")
+        if needs and self.reward_model is None and self.reward is None:
+            raise ValueError(f"reward_model or reward is required for {self.type} jobs")
+        if needs and self.reward_model is not None and self.reward is not None:
+            raise ValueError("give reward_model or reward, not both (reward_model is shorthand for a model reward)")
+        takes = " and ".join(name for name, info in JOB_TYPES.items() if info.reward_model)
+        for field_name in ("reward_model", "reward", "eval_reward"):
+            if not needs and getattr(self, field_name) is not None:
+                raise ValueError(f"{field_name} applies to {takes} jobs only, not {self.type}")
         return self
+
+    @property
+    def reward_grader(self) -> Grader | None:
+        """The training reward as a grader (``reward_model`` as a model grader), None for types without one."""
+        if self.reward is not None:
+            return self.reward
+        return ModelGrader(type="model", name="reward_model", model=self.reward_model) if self.reward_model else None
 
     @model_validator(mode="after")
     def _batches_split_over_processes(self) -> "JobSpec":

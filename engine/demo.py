@@ -1,13 +1,14 @@
-"""The built-in pipeline on the reviews task: SFT → reward model → PPO, or SFT → another method (``--method
-dpo``), then a before/after table.
+"""The built-in pipelines: SFT → reward model → PPO on the reviews task, or SFT → another method (``--method
+dpo``; ``--method grpo`` on the verifiable digits task), then a before/after table.
 
-Judged on held-out prompts by the task's ground-truth rule (never used in training): the share of positive
-completions from the SFT model and from the trained policy, their reward-model scores (when a reward model was
-trained), and the policy's KL to the SFT reference on its own samples.
+Judged on held-out prompts by the task's own rule (never used in training by the reviews methods; the digits
+task's GRPO is trained against that very rule, on other prompts): the share of accepted completions from the SFT
+model and from the trained policy, their reward-model scores (when a reward model was trained), and the policy's
+KL to the SFT reference on its own samples.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,37 @@ from engine.reward import sequence_scores
 from engine.rm import encode_pairs, evaluate_pairs
 from engine.rollout import response_logprobs
 
+
+@dataclass(frozen=True)
+class Task:
+    """A built-in task a demo pipeline trains and judges on."""
+
+    eval_prompts: str
+    """The held-out prompt rows the policies are judged on."""
+    label: str
+    """What the judge measures, for the table."""
+    judge: Callable[[dict[str, Any], str], bool]
+    """Whether a completion of a row is good, by the task's rule."""
+    sft: dict[str, Any] = field(default_factory=dict)
+    """The SFT stage's settings on this task, over the ``sft`` entry's demo stage."""
+
+
+TASKS = {
+    "reviews": Task(
+        eval_prompts="builtin:reviews-prompts-eval",
+        label="positive share (truth)",
+        judge=lambda row, text: reviews.is_positive(text),
+    ),
+    "digits": Task(
+        eval_prompts="builtin:digits-prompts-eval",
+        label="accuracy (rule)",
+        judge=lambda row, text: text == row["answer"],
+        sft={"dataset": "builtin:digits-sft", "eval_dataset": "builtin:digits-sft-eval", "epochs": 6},
+    ),
+}
+"""The demo tasks, by name: a job type's demo stage names its task in ``demo_task``."""
+
+
 SEED = 0
 TEMPERATURE = 1.0
 EVAL_PROMPTS = 256
@@ -32,21 +64,34 @@ EVAL_PROMPTS = 256
 def demo_specs(out: Path, method: str = "ppo") -> dict[str, dict[str, Any]]:
     """The job specs of the pipeline, each type's stage as its :data:`JOB_TYPES` entry gives it: SFT, a reward
     model when ``method`` needs one, then ``method``; each later stage starts from the SFT folder."""
-    stages = ["sft", *(["rm"] if JOB_TYPES[method].reward_model else []), method]
-    specs = {}
-    for stage in stages:
-        spec = {"type": stage, "name": f"demo-{stage}", "seed": SEED, **JOB_TYPES[stage].demo}
-        spec["model"] = "builtin:tiny" if stage == "sft" else str(out / "sft")
-        if JOB_TYPES[stage].reward_model:
-            spec["reward_model"] = str(out / "rm")
-        specs[stage] = spec
+    info = JOB_TYPES[method]
+    needs_rm = info.reward_model and "reward" not in info.demo  # trained against a reward model
+    sft = sft_stage(method)
+    specs = {sft: {"type": "sft", "name": f"demo-{sft}", "seed": SEED, **JOB_TYPES["sft"].demo}}
+    task = TASKS[info.demo_task]
+    if task.sft:
+        specs[sft].update({k: v for k, v in task.sft.items() if k != "epochs"})
+        specs[sft]["hyperparameters"] = {**specs[sft]["hyperparameters"], "epochs": task.sft["epochs"]}
+    specs[sft]["model"] = "builtin:tiny"
+    for stage in (["rm"] if needs_rm else []) + [method]:
+        specs[stage] = {"type": stage, "name": f"demo-{stage}", "seed": SEED, **JOB_TYPES[stage].demo,
+                        "model": str(out / sft)}  # fmt: skip
+    if needs_rm:
+        specs[method]["reward_model"] = str(out / "rm")
     return specs
+
+
+def sft_stage(method: str) -> str:
+    """The name (and folder) of the SFT stage before ``method``: ``sft`` on the reviews task, ``sft-<task>``
+    on another, so that pipelines of different tasks can share an output folder."""
+    task = JOB_TYPES[method].demo_task
+    return "sft" if task == "reviews" else f"sft-{task}"
 
 
 @dataclass
 class PolicyReport:
-    positive_share: float
-    """Share of samples the ground-truth rule judges positive."""
+    success: float
+    """Share of samples the task's rule accepts (reviews: positive; digits: the right digit)."""
     score: float | None
     """Mean reward-model score (None when the pipeline trained no reward model)."""
     kl: float
@@ -56,7 +101,10 @@ class PolicyReport:
 
 
 @torch.inference_mode()
-def evaluate_policy(policy_dir: str, reference_dir: str, reward_dir: str | None, prompts: list[str]) -> PolicyReport:
+def evaluate_policy(
+    policy_dir: str, reference_dir: str, reward_dir: str | None, rows: list[dict[str, Any]], task: Task
+) -> PolicyReport:
+    prompts = [row["prompt"] for row in rows]
     tokenizer = load_tokenizer(policy_dir)
     policy = load_causal_lm(policy_dir, tokenizer, SEED).eval()
     reference = load_causal_lm(reference_dir, tokenizer, SEED).eval()
@@ -73,7 +121,7 @@ def evaluate_policy(policy_dir: str, reference_dir: str, reward_dir: str | None,
     ref_logprobs, _ = response_logprobs(reference, query_responses, attention_mask, P, TEMPERATURE)
     texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
     return PolicyReport(
-        positive_share=sum(map(reviews.is_positive, texts)) / len(texts),
+        success=sum(task.judge(row, text) for row, text in zip(rows, texts, strict=True)) / len(texts),
         score=_score(reward_dir, tokenizer, query_responses, attention_mask),
         kl=((logprobs - ref_logprobs) * mask).sum(1).mean().item(),
         length=mask.sum(1).float().mean().item(),
@@ -101,6 +149,8 @@ def rm_accuracy(reward_dir: str) -> float:
 class DemoReport:
     method: str
     """The job type trained after SFT."""
+    task: str
+    """The built-in task (:data:`TASKS`)."""
     prompts: int
     """Held-out prompts sampled once by each policy."""
     rm_eval_accuracy: float | None
@@ -115,13 +165,13 @@ class DemoReport:
             f"Held-out evaluation: {self.prompts} prompts, temperature {TEMPERATURE}{accuracy}",
             f"{'':<24}{'SFT':>10}{self.method.upper():>10}",
         ]
-        for label, field in (
-            ("positive share (truth)", "positive_share"),
+        for label, attribute in (
+            (TASKS[self.task].label, "success"),
             ("reward model score", "score"),
             ("KL to SFT reference", "kl"),
             ("response length", "length"),
         ):
-            sft, trained = getattr(self.sft, field), getattr(self.trained, field)
+            sft, trained = getattr(self.sft, attribute), getattr(self.trained, attribute)
             if sft is not None:
                 lines.append(f"{label:<24}{sft:>10.3f}{trained:>10.3f}")
         return "\n".join(lines)
@@ -131,13 +181,16 @@ def run_demo(out: Path, train: Callable[[JobSpec, Path, str], None], method: str
     """Train the stages with ``train(spec, folder, label)``, then compare the SFT policy with ``method``'s."""
     for stage, data in demo_specs(out, method).items():
         train(JobSpec.model_validate(data), out / stage, stage)
-    sft_dir, trained_dir = resolve_model_ref(str(out / "sft")), resolve_model_ref(str(out / method))
-    rm_dir = resolve_model_ref(str(out / "rm")) if JOB_TYPES[method].reward_model else None
-    prompts = [r["prompt"] for r in load_rows("builtin:reviews-prompts-eval", "prompts")[:EVAL_PROMPTS]]
+    sft_dir, trained_dir = resolve_model_ref(str(out / sft_stage(method))), resolve_model_ref(str(out / method))
+    rm_dir = resolve_model_ref(str(out / "rm")) if "rm" in demo_specs(out, method) else None
+    task_name = JOB_TYPES[method].demo_task
+    task = TASKS[task_name]
+    rows = load_rows(task.eval_prompts, "prompts")[:EVAL_PROMPTS]
     return DemoReport(
         method=method,
-        prompts=len(prompts),
+        task=task_name,
+        prompts=len(rows),
         rm_eval_accuracy=rm_accuracy(rm_dir) if rm_dir else None,
-        sft=evaluate_policy(sft_dir, sft_dir, rm_dir, prompts),
-        trained=evaluate_policy(trained_dir, sft_dir, rm_dir, prompts),
+        sft=evaluate_policy(sft_dir, sft_dir, rm_dir, rows, task),
+        trained=evaluate_policy(trained_dir, sft_dir, rm_dir, rows, task),
     )

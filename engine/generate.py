@@ -43,11 +43,14 @@ def sample(
     top_p: float = 1.0,
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    group_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample up to ``max_new_tokens`` after left-padded prompts (B, P), reusing the KV cache.
+    """Sample up to ``max_new_tokens`` after left-padded prompts (B, P), reusing the KV cache; with
+    ``group_size`` G, G samples of each prompt (rows ``i*G .. i*G + G - 1`` are prompt i's), the prompt
+    prefilled once and its cache repeated for its group.
 
-    Stops early once every row has produced ``eos_token_id``. Returns the raw tokens (B, T),
-    T ≤ max_new_tokens, and their log-probabilities (B, T) under the model's full distribution at
+    Stops early once every row has produced ``eos_token_id``. Returns the raw tokens (B·G, T),
+    T ≤ max_new_tokens, and their log-probabilities (B·G, T) under the model's full distribution at
     ``temperature`` (before top-k/top-p filtering: the quantity PPO's ratio is taken of), so a PPO
     rollout needs no second policy forward. Tokens after a row's EOS are junk for the caller to truncate.
     """
@@ -55,11 +58,17 @@ def sample(
     out = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
     )
-    next_positions = position_ids[:, -1:] + 1  # (B, 1)
-    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    first_logits = out.logits[:, -1]  # (B, V)
+    if group_size > 1:
+        out.cache.batch_repeat_interleave(group_size)  # in place: (B·G, ...) from here on
+        first_logits = first_logits.repeat_interleave(group_size, dim=0)
+        attention_mask = attention_mask.repeat_interleave(group_size, dim=0)
+        position_ids = position_ids.repeat_interleave(group_size, dim=0)
+    next_positions = position_ids[:, -1:] + 1  # (B·G, 1)
+    finished = torch.zeros(attention_mask.shape[0], dtype=torch.bool, device=input_ids.device)
     tokens, logprobs = [], []
     for t in range(max_new_tokens):
-        logits = out.logits[:, -1]  # (B, V)
+        logits = first_logits if t == 0 else out.logits[:, -1]  # (B·G, V)
         token = sample_next(logits, temperature, top_k, top_p, generator)  # (B,)
         tokens.append(token)
         logprobs.append(logprobs_from_logits(logits / max(temperature, 1e-7), token))

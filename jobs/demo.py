@@ -1,7 +1,6 @@
-"""The demo through the HTTP API: start the embedded server, upload the built-in reviews data as files,
-train SFT → RM → PPO (or SFT → another method, ``--method dpo``) chained by ``job:`` references with live
-progress, then sample both policies through the generate endpoint and judge them with the task's ground-truth
-rule.
+"""The demo through the HTTP API: start the embedded server, upload the built-in data as files, train
+SFT → RM → PPO (or SFT → another method, ``--method dpo`` or ``grpo``) chained by ``job:`` references with live
+progress, then sample both policies through the generate endpoint and judge them with the task's rule.
 """
 
 import hashlib
@@ -18,8 +17,10 @@ from typing import Any
 
 import httpx
 
-from engine.builtin import DATASETS, reviews
-from engine.demo import EVAL_PROMPTS, TEMPERATURE, demo_specs
+from engine.builtin import DATASETS
+from engine.config import JOB_TYPES
+from engine.data import load_rows
+from engine.demo import EVAL_PROMPTS, TASKS, TEMPERATURE, demo_specs, sft_stage
 from jobs.client import KEY_FILE, Client, follow
 
 GENERATE_BATCH = 64
@@ -108,24 +109,27 @@ def run_http_demo(data_dir: Path, port: int, method: str = "ppo") -> None:
             spec = {**spec, "dataset": files[spec["dataset"].removeprefix("builtin:")]}
             if "eval_dataset" in spec:
                 spec["eval_dataset"] = files[spec["eval_dataset"].removeprefix("builtin:")]
-            spec["model"] = "builtin:tiny" if stage == "sft" else f"job:{jobs['sft']['id']}"
+            sft = sft_stage(method)
+            spec["model"] = "builtin:tiny" if stage == sft else f"job:{jobs[sft]['id']}"
             if "reward_model" in spec:
                 spec["reward_model"] = f"job:{jobs['rm']['id']}"
             jobs[stage] = run_stage(c, stage, spec)
 
         scored = "rm" in jobs  # the pipeline trained a reward model to score samples with
-        prompts = [row["prompt"] for row in DATASETS["reviews-prompts-eval"][1]()[:EVAL_PROMPTS]]
-        sft = sample(c, jobs["sft"]["id"], prompts, score=False)
+        task = TASKS[JOB_TYPES[method].demo_task]
+        rows = load_rows(task.eval_prompts, "prompts")[:EVAL_PROMPTS]
+        prompts = [row["prompt"] for row in rows]
+        sft_samples = sample(c, jobs[sft_stage(method)]["id"], prompts, score=False)
         trained = sample(c, jobs[method]["id"], prompts, score=scored)
 
         def share(completions: list[dict[str, Any]]) -> float:
-            return sum(reviews.is_positive(x["text"]) for x in completions) / len(completions)
+            return sum(task.judge(row, x["text"]) for row, x in zip(rows, completions, strict=True)) / len(rows)
 
         accuracy = f"; reward model eval accuracy {jobs['rm']['latest_metrics']['eval/accuracy']:.3f}" if scored else ""
         print(f"\nHeld-out evaluation through POST /v1/jobs/{{id}}/generate: {len(prompts)} prompts, "
               f"temperature {TEMPERATURE}{accuracy}")  # fmt: skip
         print(f"{'':<24}{'SFT':>10}{method.upper():>10}")
-        print(f"{'positive share (truth)':<24}{share(sft):>10.3f}{share(trained):>10.3f}")
+        print(f"{task.label:<24}{share(sft_samples):>10.3f}{share(trained):>10.3f}")
         if scored:
             score = sum(x["score"] for x in trained) / len(trained)
             print(f"{'reward model score':<24}{'':>10}{score:>10.3f}")

@@ -38,6 +38,7 @@ from engine.callbacks import Callbacks, StopRequest
 from engine.checkpoint import list_checkpoints
 from engine.config import JobSpec, format_errors
 from engine.data import DatasetError
+from engine.graders import RewardError, RewardFunctionError, RewardServiceError
 from engine.health import TrainingCollapseError
 from engine.hub import is_hub_id
 from engine.loop import NonFiniteLossError
@@ -324,6 +325,12 @@ def error_code(error: BaseException) -> str:
         return problem  # disk_full or storage_not_writable
     if isinstance(error, NonFiniteLossError):
         return "non_finite_loss"
+    if isinstance(error, RewardServiceError):
+        return "reward_service_failed"  # an http grader's service down or answering garbage after its retries
+    if isinstance(error, RewardFunctionError):
+        return "reward_function_failed"  # a python grader raised, or returned something other than numbers
+    if isinstance(error, RewardError):
+        return "reward_failed"  # e.g. a template naming a column the dataset lacks
     if isinstance(error, TrainingCollapseError):
         return "training_collapse"  # a PPO collapse signal, with hyperparameters.collapse.action "stop"
     if isinstance(error, torch.cuda.OutOfMemoryError | MemoryError) or _cpu_out_of_memory(error):

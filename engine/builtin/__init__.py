@@ -4,12 +4,13 @@
   tokenizer trained offline on the reviews corpus (``tokenizer.json``, rebuilt by
   ``scripts/build_tokenizer.py``). Weights are random, initialised from the job's seed.
 - ``builtin:reviews-*``: the synthetic reviews task of :mod:`engine.builtin.reviews`.
+- ``builtin:digits-*``: the verifiable digits task of :mod:`engine.builtin.digits` (rewards by a rule).
 """
 
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.builtin import reviews
+from engine.builtin import digits, reviews
 
 TOKENIZER_FILE = Path(__file__).with_name("tokenizer.json")
 PAD_TOKEN = "<|pad|>"
@@ -35,4 +36,8 @@ DATASETS: dict[str, tuple[str, Callable[[], list[dict[str, str]]]]] = {
     "reviews-prefs-eval": ("preference", lambda: reviews.pref_rows("eval")),
     "reviews-prompts": ("prompts", lambda: reviews.prompt_rows("train")),
     "reviews-prompts-eval": ("prompts", lambda: reviews.prompt_rows("eval")),
+    "digits-sft": ("sft", lambda: digits.sft_rows("train")),
+    "digits-sft-eval": ("sft", lambda: digits.sft_rows("eval")),
+    "digits-prompts": ("prompts", lambda: digits.prompt_rows("train")),
+    "digits-prompts-eval": ("prompts", lambda: digits.prompt_rows("eval")),
 }

@@ -17,8 +17,8 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_builtin_pipeline_makes_the_policy_positive(demo_dir: Path) -> None:
     report = run_demo(demo_dir, train)
     assert report.rm_eval_accuracy is not None and report.rm_eval_accuracy >= 0.9
-    assert report.trained.positive_share >= 0.9
-    assert report.trained.positive_share >= report.sft.positive_share + 0.3
+    assert report.trained.success >= 0.9
+    assert report.trained.success >= report.sft.success + 0.3
     assert report.trained.score is not None and report.sft.score is not None
     assert report.trained.score > report.sft.score
     assert report.sft.kl == 0.0 and report.trained.kl > 0.0  # the SFT model is its own reference
@@ -28,6 +28,6 @@ def test_builtin_pipeline_makes_the_policy_positive(demo_dir: Path) -> None:
 def test_dpo_pipeline_makes_the_policy_positive_without_a_reward_model(demo_dir: Path) -> None:
     report = run_demo(demo_dir, train, "dpo")
     assert report.rm_eval_accuracy is None and report.trained.score is None
-    assert report.trained.positive_share >= report.sft.positive_share + 0.25
+    assert report.trained.success >= report.sft.success + 0.25
     assert report.sft.kl == 0.0 and report.trained.kl > 0.0
     assert "DPO" in report.table() and "reward model score" not in report.table()

@@ -13,11 +13,16 @@ from engine.config import JOB_TYPES, JobTypeInfo, SFTConfig
 from tests.api.helpers import Calls, error_of
 
 BUILTIN_BY_KIND = {
-    "sft": ["builtin:reviews-sft", "builtin:reviews-sft-eval"],
+    "sft": ["builtin:reviews-sft", "builtin:reviews-sft-eval", "builtin:digits-sft", "builtin:digits-sft-eval"],
     "preference": ["builtin:reviews-prefs", "builtin:reviews-prefs-eval"],
-    "prompts": ["builtin:reviews-prompts", "builtin:reviews-prompts-eval"],
+    "prompts": [
+        "builtin:reviews-prompts",
+        "builtin:reviews-prompts-eval",
+        "builtin:digits-prompts",
+        "builtin:digits-prompts-eval",
+    ],
 }
-"""The built-in reviews datasets of each dataset kind."""
+"""The built-in datasets (reviews, digits) of each dataset kind."""
 
 
 def listed(client: TestClient) -> list[dict[str, Any]]:
@@ -76,7 +81,7 @@ def test_each_example_is_a_spec_the_server_accepts(client: TestClient, calls: Ca
     # What the dashboard's form starts from, once it picks a model (and a reward model where one is taken).
     for shown in listed(client):
         spec = {**shown["example"], "type": shown["name"], "model": "builtin:tiny"}
-        if shown["reward_model"]:
+        if shown["reward_model"] and "reward" not in spec:  # grpo's example brings its own reward
             spec["reward_model"] = "builtin:tiny"
         response = client.post("/v1/jobs", json=spec)
         assert response.status_code == 201, (shown["name"], response.text)

@@ -1,0 +1,747 @@
+"""Reward graders: how an RL job scores each sampled completion (torch-free, so the API validates them).
+
+A job spec's ``reward`` is one :data:`Grader`. The kinds follow OpenAI's grader JSON
+(https://platform.openai.com/docs/api-reference/graders), so users can bring theirs:
+
+- ``model``: a reward model; scored by a callback the engine passes to :func:`score`.
+- ``string_check``: 1.0 or 0.0 from comparing two rendered templates.
+- ``text_similarity``: fuzzy match, BLEU, GLEU or ROUGE of two rendered templates, in [0, 1].
+- ``http``: a remote reward service speaking OpenRLHF's remote reward model protocol
+  (OpenRLHF/OpenRLHF ``openrlhf/utils/remote_rm_utils.py``).
+- ``python``: an importable function with TRL's reward-function signature
+  (https://huggingface.co/docs/trl/grpo_trainer#using-a-custom-reward-function).
+- ``multi``: named graders combined by a formula or by weights.
+
+Templates hold only ``{{ sample.output_text }}`` and ``{{ item.<column>[.<key>...] }}``, substituted by a regex;
+formulas are parsed by :mod:`ast` and interpreted over a whitelist of nodes. Nothing is ever ``eval``-ed.
+"""
+
+import ast
+import functools
+import importlib
+import ipaddress
+import json
+import logging
+import math
+import numbers
+import operator
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, NoReturn
+
+import httpx
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from engine.rows import Text
+
+logger = logging.getLogger(__name__)
+
+RESERVED_NAMES = frozenset({"mean", "std"})
+"""Names no grader may have: :func:`reward_metrics` reports ``reward/mean`` and ``reward/std`` beside them."""
+MAX_DEPTH = 3
+"""Levels of graders in one reward: a multi of multis of leaves is 3."""
+MAX_COMPONENTS = 16
+"""Graders one multi combines."""
+LOOPBACK = "loopback"
+"""The allow-list entry for http(s) to 127.0.0.0/8, ::1 or localhost, on any port."""
+
+
+class RewardError(RuntimeError):
+    """A reward could not be computed for a batch of samples."""
+
+
+class RewardServiceError(RewardError):
+    """A reward service (an ``http`` grader) failed, after its retries."""
+
+
+class RewardFunctionError(RewardError):
+    """A reward function (a ``python`` grader) could not be imported, raised, or returned something else than
+    one number per sample."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Templates
+
+_PLACEHOLDER = re.compile(r"\{\{\s*(.*?)\s*\}\}")
+_ALLOWED_PLACEHOLDER = re.compile(r"^(sample\.output_text|item(\.[A-Za-z0-9_-]+)+)$")
+_ALLOWED_HELP = "{{ sample.output_text }} and {{ item.<column>[.<key>...] }}"
+
+
+def _check_template(template: str) -> str:
+    unknown = [m.group(0) for m in _PLACEHOLDER.finditer(template) if not _ALLOWED_PLACEHOLDER.match(m.group(1))]
+    if unknown:
+        raise ValueError(f"unknown placeholder {', '.join(unknown)}; the allowed ones are {_ALLOWED_HELP}")
+    return template
+
+
+def _render(template: str, grader: str, completion: str, row: Mapping[str, Any]) -> str:
+    """``template`` with its placeholders replaced by the completion and the dataset row's values."""
+
+    def value(match: re.Match[str]) -> str:
+        path = match.group(1)
+        if path == "sample.output_text":
+            return completion
+        return _item_value(row, path.split(".")[1:], grader)
+
+    return _PLACEHOLDER.sub(value, template)
+
+
+def _item_value(row: Mapping[str, Any], keys: list[str], grader: str) -> str:
+    value: Any = row
+    for depth, key in enumerate(keys):
+        if not isinstance(value, Mapping) or key not in value:
+            missing = "item." + ".".join(keys[: depth + 1])
+            raise RewardError(f"grader {grader!r}: the dataset row has no {missing} (its columns: {', '.join(row)})")
+        value = value[key]
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Formulas of multi graders
+
+_BINARY_OPERATORS: dict[type[ast.operator], Callable[[float, float], float]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: math.pow,  # a float or an error (ValueError, OverflowError), never a complex number
+}
+_FUNCTIONS: dict[str, tuple[Callable[..., float], int, int]] = {
+    # name: (function, fewest arguments, most arguments)
+    "min": (min, 2, 16),
+    "max": (max, 2, 16),
+    "abs": (abs, 1, 1),
+    "floor": (math.floor, 1, 1),
+    "ceil": (math.ceil, 1, 1),
+    "exp": (math.exp, 1, 1),
+    "sqrt": (math.sqrt, 1, 1),
+    "log": (math.log, 1, 1),
+}
+_FORMULA_HELP = f"numbers, the graders' keys, + - * / ^ ** and parentheses, and {', '.join(_FUNCTIONS)}"
+
+
+def _parse_formula(formula: str) -> ast.expr:
+    """The expression tree of a formula; OpenAI's ``^`` (power) is read as ``**``."""
+    try:
+        return ast.parse(formula.replace("^", "**"), mode="eval").body
+    except SyntaxError as e:
+        raise ValueError(f"calculate_output is not a formula: {e.msg}") from None
+
+
+def _check_formula(node: ast.expr, keys: Sequence[str]) -> None:
+    """ValueError naming the first element of the formula outside the whitelist."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+        return
+    if isinstance(node, ast.Name):
+        if node.id not in keys:
+            raise ValueError(f"calculate_output: unknown name {node.id!r}; the graders are {', '.join(keys)}")
+        return
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        _check_formula(node.operand, keys)
+        return
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPERATORS:
+        _check_formula(node.left, keys)
+        _check_formula(node.right, keys)
+        return
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS:
+        _, fewest, most = _FUNCTIONS[node.func.id]
+        if node.keywords or not fewest <= len(node.args) <= most:
+            raise ValueError(f"calculate_output: {ast.unparse(node)[:60]!r} has the wrong arguments")
+        for arg in node.args:
+            _check_formula(arg, keys)
+        return
+    raise ValueError(f"calculate_output: {ast.unparse(node)[:60]!r} is not allowed; formulas hold {_FORMULA_HELP}")
+
+
+def _evaluate(node: ast.expr, values: Mapping[str, float]) -> float:
+    """The value of a formula checked by :func:`_check_formula`, given each grader's score."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+        return float(node.value)
+    if isinstance(node, ast.Name):
+        return values[node.id]
+    if isinstance(node, ast.UnaryOp):
+        operand = _evaluate(node.operand, values)
+        return -operand if isinstance(node.op, ast.USub) else operand
+    if isinstance(node, ast.BinOp):
+        return _BINARY_OPERATORS[type(node.op)](_evaluate(node.left, values), _evaluate(node.right, values))
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        function = _FUNCTIONS[node.func.id][0]
+        return float(function(*(_evaluate(arg, values) for arg in node.args)))
+    raise AssertionError(f"unchecked formula node {ast.dump(node)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Specs
+
+
+class _Strict(BaseModel):
+    # engine.config has the same base; a copy here keeps this module free of it (config embeds graders).
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+def _not_reserved(name: str) -> str:
+    if name in RESERVED_NAMES:
+        raise ValueError(f"{name!r} is reserved (the reward's {' and '.join(sorted(RESERVED_NAMES))} use it)")
+    return name
+
+
+GraderName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[^/\x00-\x1f\x7f]+$")]
+"""A grader's ``name``: 1 to 64 characters, no ``/`` (it names metrics) and no control characters."""
+ComponentKey = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"), AfterValidator(_not_reserved)]
+"""A multi grader's key for a component: an identifier, so formulas can name it."""
+Template = Annotated[str, Field(max_length=10_000), AfterValidator(_check_template)]
+"""Text with ``{{ sample.output_text }}`` and ``{{ item.<column>[.<key>...] }}`` placeholders."""
+
+
+class _GraderBase(_Strict):
+    name: Annotated[GraderName, AfterValidator(_not_reserved)] | None = None
+    """Names the grader's scores in metrics (``reward/<name>``); default: its ``type``. A component of a multi
+    grader is named by its key there, and its own ``name`` is ignored."""
+
+
+class ModelGrader(_GraderBase):
+    """A reward model scores prompt + completion (the engine scores it, through :func:`score`'s callback)."""
+
+    type: Literal["model"] = "model"
+    """The grader kind."""
+    model: Annotated[str, Field(min_length=1, max_length=500, pattern=r"^[^\s\x00-\x1f\x7f]+$")]
+    """The reward model: ``job:<id>[@<step>]`` (an rm job), ``builtin:tiny``, a hub id or a local path."""
+
+
+class StringCheckGrader(_GraderBase):
+    """1.0 when the rendered ``input`` and ``reference`` compare as ``operation`` says, else 0.0."""
+
+    type: Literal["string_check"] = "string_check"
+    """The grader kind."""
+    input: Template
+    """The text checked, e.g. ``{{ sample.output_text }}``."""
+    reference: Template
+    """The text it is checked against, e.g. ``{{ item.answer }}``."""
+    operation: Literal["eq", "ne", "like", "ilike"]
+    """``eq``: equal; ``ne``: different; ``like``: ``reference`` occurs in ``input``; ``ilike``: the same,
+    ignoring case."""
+
+
+TextMetric = Literal["fuzzy_match", "bleu", "gleu", "rouge_1", "rouge_2", "rouge_3", "rouge_4", "rouge_5", "rouge_l"]
+
+
+class TextSimilarityGrader(_GraderBase):
+    """How similar the rendered ``input`` is to ``reference``, in [0, 1]."""
+
+    type: Literal["text_similarity"] = "text_similarity"
+    """The grader kind."""
+    input: Template
+    """The text scored, e.g. ``{{ sample.output_text }}``."""
+    reference: Template
+    """The text it is compared with, e.g. ``{{ item.reference_answer }}``."""
+    evaluation_metric: TextMetric
+    """``fuzzy_match``: rapidfuzz's normalised Indel similarity; ``bleu``: sacrebleu's sentence BLEU; ``gleu``:
+    NLTK's sentence GLEU on whitespace tokens; ``rouge_1`` … ``rouge_5``, ``rouge_l``: the F-measure of Google's
+    rouge-score."""
+    pass_threshold: Annotated[float, Field(ge=0, le=1)] | None = None
+    """When set, the metric ``<name>/pass`` also reports whether each score reached it (1.0 or 0.0); the reward
+    stays the score."""
+
+
+class HttpGrader(_GraderBase):
+    """A reward service: POST ``{"query": [prompt + completion, ...], "prompts": [...], "labels": [...]}``, answer
+    ``{"rewards": [float, ...]}`` in the same order (OpenRLHF's remote reward model protocol)."""
+
+    type: Literal["http"] = "http"
+    """The grader kind."""
+    url: Annotated[str, Field(min_length=1, max_length=2000)]
+    """The service's http or https URL; the operator's ``allowed_urls`` must admit it."""
+    timeout_s: Annotated[float, Field(gt=0, le=600)] = 30.0
+    """Seconds one request may take."""
+    retries: Annotated[int, Field(ge=0, le=20)] = 3
+    """Attempts after the first, on connection errors, timeouts, HTTP 5xx and 429, and malformed answers."""
+    backoff_s: Annotated[float, Field(ge=0, le=60)] = 1.0
+    """Seconds before the first retry, doubling for each one after."""
+    batch_size: Annotated[int, Field(ge=1, le=4096)] = 64
+    """Samples per request."""
+    label: Template | None = None
+    """Each sample's entry of ``labels``, e.g. ``{{ item.answer }}`` (None: null)."""
+
+    @model_validator(mode="after")
+    def _http_url(self) -> "HttpGrader":
+        if any(char.isspace() or char == "\\" or ord(char) < 32 or ord(char) == 127 for char in self.url):
+            raise ValueError("url must not contain spaces, backslashes or control characters")
+        try:
+            url = httpx.URL(self.url)
+        except httpx.InvalidURL as e:
+            raise ValueError(f"url is not a URL: {e}") from None
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError("url must be an http:// or https:// URL with a host")
+        return self
+
+
+FUNCTION_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+"""A python grader's ``function``: ``module.path:function_name``."""
+
+
+class PythonGrader(_GraderBase):
+    """An importable function with TRL's reward-function signature: ``fn(prompts=[...], completions=[...],
+    **columns) -> list[float]``, every other column of the dataset rows passed as a list."""
+
+    type: Literal["python"] = "python"
+    """The grader kind."""
+    function: Annotated[str, Field(max_length=300, pattern=FUNCTION_PATH)]
+    """``module.path:function_name``; the operator's ``allowed_functions`` must admit it."""
+
+
+class MultiGrader(_GraderBase):
+    """Named graders combined into one score by ``calculate_output`` or by ``weights`` (give exactly one)."""
+
+    type: Literal["multi"] = "multi"
+    """The grader kind."""
+    graders: Annotated[dict[ComponentKey, "_AnyGrader"], Field(min_length=1, max_length=MAX_COMPONENTS)]
+    """The components, by key; each key names its grader's scores in metrics and in ``calculate_output``."""
+    calculate_output: Annotated[str, Field(min_length=1, max_length=500)] | None = None
+    """A formula over the keys, as OpenAI's multi grader: numbers, ``+ - * /``, ``^`` or ``**`` (power), unary
+    ``-``, parentheses, and min, max, abs, floor, ceil, exp, sqrt, log; e.g. ``0.7 * correct + 0.3 * fuzzy``."""
+    weights: dict[str, Annotated[float, Field(ge=-1e6, le=1e6)]] | None = None
+    """The score is the weighted sum of these keys' scores; a component without a weight is only reported."""
+
+    @model_validator(mode="after")
+    def _combination(self) -> "MultiGrader":
+        # pydantic 2.13 runs this twice per multi in a union (pydantic/pydantic#13581); it only reads, so no harm
+        if (self.calculate_output is None) == (self.weights is None):
+            raise ValueError("give exactly one of calculate_output and weights")
+        keys = list(self.graders)
+        if self.weights is not None:
+            unknown = [key for key in self.weights if key not in self.graders]
+            if unknown or not self.weights:
+                raise ValueError(f"weights must name graders ({', '.join(keys)}), not {', '.join(unknown) or 'none'}")
+        if self.calculate_output is not None:
+            _check_formula(_parse_formula(self.calculate_output), keys)
+        if _depth(self) > MAX_DEPTH:
+            raise ValueError(f"graders nest at most {MAX_DEPTH} levels deep (a multi of multis of graders)")
+        return self
+
+
+_AnyGrader = Annotated[
+    ModelGrader | StringCheckGrader | TextSimilarityGrader | HttpGrader | PythonGrader | MultiGrader,
+    Field(discriminator="type"),
+]
+MultiGrader.model_rebuild()
+
+
+def _unique_names(grader: _AnyGrader) -> _AnyGrader:
+    names = [name for name, _ in _walk(grader, _effective_name(grader))]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"grader names must be unique within a reward; repeated: {', '.join(repeated)}")
+    return grader
+
+
+Grader = Annotated[_AnyGrader, AfterValidator(_unique_names)]
+"""A job's reward: one grader, told apart by ``type``, its names (its own and its components') unique."""
+_GRADER: TypeAdapter[Grader] = TypeAdapter(Grader, config=ConfigDict(title="Grader"))
+
+
+def parse_grader(data: Any) -> Grader:
+    """A grader from its JSON object (a dict); pydantic's ValidationError names the field at fault."""
+    return _GRADER.validate_python(data)
+
+
+def _effective_name(grader: _AnyGrader) -> str:
+    return grader.name or grader.type
+
+
+def _depth(grader: _AnyGrader) -> int:
+    if isinstance(grader, MultiGrader):
+        return 1 + max(_depth(sub) for sub in grader.graders.values())
+    return 1
+
+
+def _walk(grader: _AnyGrader, name: str) -> Iterator[tuple[str, _AnyGrader]]:
+    """(name, grader) of ``grader`` and of everything nested in it, components first."""
+    if isinstance(grader, MultiGrader):
+        for key, sub in grader.graders.items():
+            yield from _walk(sub, key)
+    yield name, grader
+
+
+def iter_graders(grader: Grader) -> Iterator[tuple[str, Grader]]:
+    """(effective name, grader) of every leaf grader (every grader but the multis), nested ones included."""
+    for name, sub in _walk(grader, _effective_name(grader)):
+        if not isinstance(sub, MultiGrader):
+            yield name, sub
+
+
+def model_refs(grader: Grader) -> list[str]:
+    """The model references of the model graders, for the service to resolve."""
+    return [sub.model for _, sub in iter_graders(grader) if isinstance(sub, ModelGrader)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Operator allow-lists
+
+
+def check_allowed(grader: Grader, allowed_urls: Sequence[str], allowed_functions: Sequence[str] | None) -> list[str]:
+    """What the operator's allow-lists refuse in ``grader`` (empty: nothing). An ``allowed_urls`` entry is a URL
+    prefix (scheme, host and port equal, the path within the entry's) or ``loopback``; ``allowed_functions`` None
+    allows any function (the local CLI), which fails only when scored if it cannot be imported."""
+    problems = []
+    for name, sub in iter_graders(grader):
+        if isinstance(sub, HttpGrader) and not any(_url_allowed(sub.url, entry) for entry in allowed_urls):
+            allowed = ", ".join(allowed_urls) or "none"
+            problems.append(f"grader {name!r}: the reward service {_public_url(sub.url)} is not allowed ({allowed})")
+        if isinstance(sub, PythonGrader) and allowed_functions is not None and sub.function not in allowed_functions:
+            allowed = ", ".join(allowed_functions) or "none"
+            problems.append(f"grader {name!r}: the reward function {sub.function} is not allowed ({allowed})")
+    return problems
+
+
+def _url_allowed(url: str, entry: str) -> bool:
+    """Whether ``url`` is within the allow-list ``entry``, both parsed as httpx (which sends the request) does."""
+    try:
+        target = httpx.URL(url)
+        prefix = None if entry == LOOPBACK else httpx.URL(entry)
+    except httpx.InvalidURL:
+        return False
+    if target.scheme not in ("http", "https") or {".", ".."} & set(target.path.split("/")):
+        return False
+    if prefix is None:
+        return target.host == "localhost" or _is_loopback_ip(target.host)
+    if (target.scheme, target.host, _port(target)) != (prefix.scheme, prefix.host, _port(prefix)):
+        return False
+    if prefix.path.endswith("/"):
+        return target.path.startswith(prefix.path)
+    return target.path == prefix.path or target.path.startswith(prefix.path + "/")
+
+
+def _is_loopback_ip(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, not an address
+        return False
+
+
+def _port(url: httpx.URL) -> int | None:
+    return url.port or {"http": 80, "https": 443}.get(url.scheme)
+
+
+def _public_url(url: str) -> str:
+    """``url`` without credentials, query or fragment: what messages and logs may show."""
+    parsed = httpx.URL(url)
+    host = f"[{parsed.host}]" if ":" in parsed.host else parsed.host
+    port = f":{parsed.port}" if parsed.port else ""
+    return f"{parsed.scheme}://{host}{port}{parsed.path}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scoring
+
+
+@dataclass
+class Samples:
+    """A batch of sampled completions and what they were sampled from."""
+
+    prompts: list[Text]
+    """The prompts as the dataset rows give them: a string, or a list of chat messages."""
+    prompt_texts: list[str]
+    """The prompts as the policy saw them (chat template applied): the start of an http grader's queries."""
+    completions: list[str]
+    """The decoded completions."""
+    rows: list[dict[str, Any]]
+    """The dataset rows, every column."""
+
+    def __post_init__(self) -> None:
+        lengths = {len(self.prompts), len(self.prompt_texts), len(self.completions), len(self.rows)}
+        if len(lengths) > 1:
+            raise ValueError(f"prompts, prompt_texts, completions and rows differ in length ({sorted(lengths)})")
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+
+@dataclass
+class RewardScores:
+    """A reward's scores of a batch of samples."""
+
+    total: list[float]
+    """The reward of each sample: the top grader's score."""
+    components: dict[str, list[float]]
+    """Every named grader's scores, leaves and multis (the top one included), and ``<name>/pass`` (1.0 or 0.0)
+    for each text_similarity grader with a ``pass_threshold``."""
+
+
+ModelScorer = Callable[[ModelGrader, Samples], list[float]]
+"""Scores samples with a model grader's reward model (the engine's, which loads models)."""
+
+
+def score(grader: Grader, samples: Samples, model_scorer: ModelScorer | None = None) -> RewardScores:
+    """Every sample's reward, and the scores of each of the reward's graders. RewardError (RewardServiceError,
+    RewardFunctionError) when one cannot be computed."""
+    components: dict[str, list[float]] = {}
+    total = _score(grader, _effective_name(grader), samples, model_scorer, components)
+    return RewardScores(total=total, components=components)
+
+
+def reward_metrics(scores: RewardScores, prefix: str = "reward") -> dict[str, float]:
+    """``<prefix>/mean`` and ``<prefix>/std`` (population) of the rewards, and ``<prefix>/<name>``, the mean of
+    each component's scores. Empty for an empty batch."""
+    if not scores.total:
+        return {}
+    metrics = {f"{prefix}/mean": statistics.fmean(scores.total), f"{prefix}/std": statistics.pstdev(scores.total)}
+    for name, values in scores.components.items():
+        metrics[f"{prefix}/{name}"] = statistics.fmean(values)
+    return metrics
+
+
+def _score(
+    grader: _AnyGrader,
+    name: str,
+    samples: Samples,
+    model_scorer: ModelScorer | None,
+    components: dict[str, list[float]],
+) -> list[float]:
+    """The scores of ``grader`` (called ``name``), recorded in ``components`` with those of its components."""
+    if isinstance(grader, MultiGrader):
+        parts = {key: _score(sub, key, samples, model_scorer, components) for key, sub in grader.graders.items()}
+        scores = _combine(grader, name, parts, len(samples))
+    elif isinstance(grader, ModelGrader):
+        scores = _score_model(grader, name, samples, model_scorer)
+    elif isinstance(grader, StringCheckGrader | TextSimilarityGrader):
+        pairs = zip(samples.completions, samples.rows, strict=True)
+        scores = [_score_text(grader, name, completion, row) for completion, row in pairs]
+    elif isinstance(grader, HttpGrader):
+        scores = _score_http(grader, name, samples)
+    else:
+        scores = _score_python(grader, samples)
+    components[name] = scores
+    if isinstance(grader, TextSimilarityGrader) and grader.pass_threshold is not None:
+        components[f"{name}/pass"] = [float(s >= grader.pass_threshold) for s in scores]
+    return scores
+
+
+def _number_problem(values: object, n: int) -> str | None:
+    """Why ``values`` is not a list of ``n`` finite numbers (None: it is)."""
+    if not isinstance(values, list | tuple):
+        return f"a {type(values).__name__}, not a list of numbers"
+    if len(values) != n:
+        return f"{len(values)} scores for {n} samples"
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            return f"{value!r:.40} at position {i}, not a finite number"
+    return None
+
+
+# 1. model graders: the engine's callback
+
+
+def _score_model(grader: ModelGrader, name: str, samples: Samples, model_scorer: ModelScorer | None) -> list[float]:
+    if model_scorer is None:
+        raise RewardError(f"grader {name!r}: model graders need a model scorer, and none was given")
+    scores = model_scorer(grader, samples)
+    problem = _number_problem(scores, len(samples))
+    if problem:
+        raise RewardError(f"grader {name!r}: the reward model {grader.model} gave {problem}")
+    return [float(s) for s in scores]
+
+
+# 2. string_check and text_similarity graders
+
+
+def _score_text(
+    grader: StringCheckGrader | TextSimilarityGrader, name: str, completion: str, row: Mapping[str, Any]
+) -> float:
+    text = _render(grader.input, name, completion, row)
+    reference = _render(grader.reference, name, completion, row)
+    if isinstance(grader, TextSimilarityGrader):
+        return _similarity(grader.evaluation_metric, text, reference)
+    matches = {
+        "eq": text == reference,
+        "ne": text != reference,
+        "like": reference in text,
+        "ilike": reference.lower() in text.lower(),
+    }
+    return float(matches[grader.operation])
+
+
+def _similarity(metric: TextMetric, text: str, reference: str) -> float:
+    """``text``'s similarity to ``reference`` by ``metric``, in [0, 1]; the libraries load on first use."""
+    if metric == "fuzzy_match":
+        from rapidfuzz import fuzz
+
+        return fuzz.ratio(text, reference) / 100
+    if metric == "bleu":
+        import sacrebleu
+
+        return min(1.0, sacrebleu.sentence_bleu(text, [reference]).score / 100)  # 100.00000000000004 when equal
+    if metric == "gleu":
+        from nltk.translate.gleu_score import sentence_gleu
+
+        return float(sentence_gleu([reference.split()], text.split()))
+    rouge_type = "rougeL" if metric == "rouge_l" else "rouge" + metric.removeprefix("rouge_")
+    return float(_rouge_scorer(rouge_type).score(reference, text)[rouge_type].fmeasure)
+
+
+@functools.cache
+def _rouge_scorer(rouge_type: str) -> Any:
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer([rouge_type])
+
+
+# 3. http graders: OpenRLHF's remote reward model protocol
+
+
+def _score_http(grader: HttpGrader, name: str, samples: Samples) -> list[float]:
+    labels = [
+        None if grader.label is None else _render(grader.label, name, completion, row)
+        for completion, row in zip(samples.completions, samples.rows, strict=True)
+    ]
+    queries = [
+        prompt + completion for prompt, completion in zip(samples.prompt_texts, samples.completions, strict=True)
+    ]
+    rewards: list[float] = []
+    # trust_env=False: no proxy from the environment between the worker and an allow-listed service
+    with httpx.Client(timeout=grader.timeout_s, trust_env=False) as client:
+        for start in range(0, len(samples), grader.batch_size):
+            batch = slice(start, start + grader.batch_size)
+            payload: dict[str, list[Any]] = {
+                "query": queries[batch],
+                "prompts": samples.prompt_texts[batch],
+                "labels": labels[batch],
+            }
+            rewards += _post_rewards(client, grader, payload)
+    return rewards
+
+
+def _post_rewards(client: httpx.Client, grader: HttpGrader, payload: dict[str, list[Any]]) -> list[float]:
+    """The service's rewards for one request, retried with exponential backoff."""
+    url = _public_url(grader.url)
+    attempts = grader.retries + 1
+    problem = ""
+    for attempt in range(attempts):
+        if attempt:
+            logger.warning("reward service %s: %s; retry %d of %d", url, problem, attempt, grader.retries)
+            time.sleep(grader.backoff_s * 2 ** (attempt - 1))
+        try:
+            response = client.post(grader.url, json=payload)
+        except httpx.TimeoutException:
+            problem = f"no answer within {grader.timeout_s:g} s"
+            continue
+        except httpx.TransportError as e:
+            problem = f"{type(e).__name__}: {e}"
+            continue
+        if response.status_code == 429 or response.status_code >= 500:
+            problem = f"HTTP {response.status_code}"
+            continue
+        if not response.is_success:  # another 4xx, or a redirect (never followed): retrying cannot help
+            raise RewardServiceError(
+                f"reward service {url} refused the request: HTTP {response.status_code} {response.text[:200]!r}"
+            )
+        rewards, problem = _read_rewards(response, len(payload["query"]))
+        if rewards is not None:
+            return rewards
+    tries = f"{attempts} attempt" + ("s" if attempts > 1 else "")
+    raise RewardServiceError(f"reward service {url} failed after {tries}: {problem}")
+
+
+def _read_rewards(response: httpx.Response, n: int) -> tuple[list[float] | None, str]:
+    """(the rewards of an answer ``{"rewards": [...]}``, "") or (None, what is wrong with it)."""
+    try:
+        answer = response.json()
+    except ValueError:
+        return None, f"the answer is not JSON ({response.text[:80]!r})"
+    if not isinstance(answer, dict) or not isinstance(answer.get("rewards"), list):
+        return None, 'the answer has no "rewards" list'
+    problem = _number_problem(answer["rewards"], n)
+    if problem:
+        return None, f"the rewards are {problem}"
+    return [float(r) for r in answer["rewards"]], ""
+
+
+# 4. python graders: TRL's reward functions
+
+
+@functools.cache
+def _load_function(path: str) -> Callable[..., Any]:
+    module_name, function_name = path.split(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except Exception as e:  # ImportError, AttributeError, or whatever the module raises as it loads
+        raise RewardFunctionError(f"reward function {path} cannot be imported: {type(e).__name__}: {e}") from e
+    if not callable(function):
+        raise RewardFunctionError(f"reward function {path} is a {type(function).__name__}, not a function")
+    return function
+
+
+def _score_python(grader: PythonGrader, samples: Samples) -> list[float]:
+    function = _load_function(grader.function)
+    # TRL passes chat completions as messages: the completion is the assistant's reply
+    completions = [
+        [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+        for prompt, text in zip(samples.prompts, samples.completions, strict=True)
+    ]
+    # the rows' other columns, each a list (None where a row lacks it), as TRL's reward_kwargs
+    names = dict.fromkeys(key for row in samples.rows for key in row if key not in _NOT_COLUMNS)
+    columns = {key: [row.get(key) for row in samples.rows] for key in names}
+    try:
+        scores = function(prompts=samples.prompts, completions=completions, **columns)
+    except Exception as e:
+        _raise_failing_row(grader.function, function, samples.prompts, completions, columns, e)
+    problem = _number_problem(scores, len(samples))
+    if problem:
+        raise RewardFunctionError(f"reward function {grader.function} returned {problem}")
+    return [float(s) for s in scores]
+
+
+_NOT_COLUMNS = frozenset({"prompt", "completion", "prompts", "completions"})
+"""Row keys not passed as columns: the prompt and completion come as ``prompts`` and ``completions``."""
+
+
+def _raise_failing_row(
+    path: str,
+    function: Callable[..., Any],
+    prompts: list[Text],
+    completions: list[Any],
+    columns: dict[str, list[Any]],
+    batch_error: Exception,
+) -> NoReturn:
+    """RewardFunctionError naming the first row the function raises on, called on one row at a time."""
+    for i, prompt in enumerate(prompts):
+        one_row = {key: values[i : i + 1] for key, values in columns.items()}
+        try:
+            function(prompts=[prompt], completions=completions[i : i + 1], **one_row)
+        except Exception as e:
+            raise RewardFunctionError(
+                f"reward function {path} raised {e!r} on row {i} (prompt {_excerpt(prompt)!r})"
+            ) from e
+    raise RewardFunctionError(
+        f"reward function {path} raised {batch_error!r} on a batch of {len(prompts)} rows, though on no row alone"
+    ) from batch_error
+
+
+def _excerpt(prompt: Text, limit: int = 80) -> str:
+    """The prompt's text (a chat prompt's last message), cut to ``limit`` characters."""
+    text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
+
+
+# 5. multi graders
+
+
+def _combine(grader: MultiGrader, name: str, parts: dict[str, list[float]], n: int) -> list[float]:
+    """Each sample's combined score: the weighted sum, or ``calculate_output`` of its components' scores."""
+    if grader.weights is not None:
+        weights = grader.weights
+        return [sum(weight * parts[key][i] for key, weight in weights.items()) for i in range(n)]
+    assert grader.calculate_output is not None  # one of the two, checked by the spec
+    formula = _parse_formula(grader.calculate_output)
+    scores = []
+    for i in range(n):
+        try:
+            value = _evaluate(formula, {key: values[i] for key, values in parts.items()})
+        except (ZeroDivisionError, ValueError, OverflowError) as e:
+            raise RewardError(f"grader {name!r}: {grader.calculate_output!r} failed on sample {i}: {e}") from e
+        if not math.isfinite(value):
+            raise RewardError(f"grader {name!r}: {grader.calculate_output!r} is {value} on sample {i}")
+        scores.append(value)
+    return scores

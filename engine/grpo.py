@@ -1,0 +1,121 @@
+"""Critic-free policy-gradient numerics: group baselines, the clipped surrogate with separate clip ranges, and
+the loss aggregations. Pure functions of tensors, each tested against a naive per-example loop of its paper's
+formula in tests/engine/test_grpo_math.py.
+
+Shapes: N = prompts × ``group_size`` samples, the samples of one prompt next to each other (rows
+``g*G .. g*G + G - 1`` are group g); T response tokens; ``mask`` (N, T) is 1 on the kept tokens.
+"""
+
+import torch
+
+from engine.config import WHITENED, Aggregation, Estimator
+from engine.ops import masked_whiten
+
+STD_EPS = 1e-4
+"""Added to a group's standard deviation before dividing by it (as TRL's GRPO)."""
+
+
+def groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) → (N / group_size, group_size): one row per prompt."""
+    if x.shape[0] % group_size:
+        raise ValueError(f"{x.shape[0]} samples do not split into groups of {group_size}")
+    return x.view(-1, group_size)
+
+
+def sequence_advantages(scores: torch.Tensor, group_size: int, estimator: Estimator) -> torch.Tensor:
+    """Each sample's advantage from the scores (N,) of its group, before any KL term:
+
+    - ``grpo`` (Shao et al., arXiv:2402.03300): (r - mean) / (std + ε), std the group's unbiased one;
+    - ``dr_grpo`` (Liu et al., arXiv:2503.20783): r - mean, no division by the std;
+    - ``rloo`` (Ahmadian et al., arXiv:2402.14740): r minus the mean of the group's other samples;
+    - ``reinforce_pp`` (Hu, arXiv:2501.03262): r itself (whitened over the batch later);
+    - ``reinforce_pp_baseline``: r - mean (whitened over the batch later).
+    """
+    if estimator == "reinforce_pp":
+        return scores.clone()
+    g = groups(scores, group_size)  # (n, G)
+    mean = g.mean(1, keepdim=True)
+    if estimator == "grpo":
+        std = g.std(1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
+        return ((g - mean) / (std + STD_EPS)).flatten()
+    if estimator == "rloo":
+        if group_size < 2:
+            raise ValueError("rloo needs group_size of at least 2: each sample's baseline is the others' mean")
+        return ((g - mean) * group_size / (group_size - 1)).flatten()
+    return (g - mean).flatten()  # dr_grpo, reinforce_pp_baseline
+
+
+def kl_to_go(kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """The KL penalty's return from each token on: Σ_{s ≥ t} -β·kl_s over the kept tokens (γ = 1): (N, T)."""
+    penalty = -kl_coef * kl * mask
+    return penalty.flip(1).cumsum(1).flip(1) * mask
+
+
+def token_advantages(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    group_size: int,
+    estimator: Estimator,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """Advantages (N, T): the sequence advantage on every kept token, plus with ``kl`` (the per-token KL to the
+    reference, when it is part of the reward) its return from each token on; whitened over the batch's kept
+    tokens for the REINFORCE++ estimators (Hu 2025: the score and the KL rewards form the return, then the batch
+    normalises it)."""
+    advantages = sequence_advantages(scores, group_size, estimator).unsqueeze(1) * mask  # (N, T)
+    if kl is not None:
+        advantages = advantages + kl_to_go(kl, mask, kl_coef)
+    if estimator in WHITENED:
+        advantages = masked_whiten(advantages, mask)
+    return advantages * mask
+
+
+def tied_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Share of groups whose samples all scored the same (their group-relative advantages are 0: no signal)."""
+    g = groups(scores, group_size)
+    return (g.max(1).values == g.min(1).values).float().mean()
+
+
+def clipped_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped objective per token with the ratio kept in [1 - clip_low, 1 + clip_high] (DAPO's
+    clip-higher, arXiv:2503.14476, when clip_high > clip_low). Returns (loss (N, T), where the clipped term was
+    taken (N, T) as floats)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    how: Aggregation,
+    n_sequences: int | None = None,
+    n_tokens: float | torch.Tensor | None = None,
+    max_tokens: int | None = None,
+) -> torch.Tensor:
+    """A loss (N, T) per token reduced to a scalar over the kept tokens:
+
+    - ``token_mean``: Σ loss / the number of kept tokens (DAPO);
+    - ``sequence_mean``: the mean over sequences of each one's token mean (the GRPO paper);
+    - ``constant``: Σ loss / (sequences × ``max_tokens``), a constant, so no length bias (Dr. GRPO).
+
+    When a minibatch is split into micro-batches, pass its ``n_sequences`` and ``n_tokens``: the parts then sum
+    to the whole minibatch's value (and so do their gradients).
+    """
+    n_seq = per_token.shape[0] if n_sequences is None else n_sequences
+    total = per_token * mask
+    if how == "token_mean":
+        return total.sum() / (mask.sum() if n_tokens is None else n_tokens)
+    if how == "sequence_mean":
+        return (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seq
+    if max_tokens is None:
+        raise ValueError("the constant aggregation needs max_tokens")
+    return total.sum() / (n_seq * max_tokens)

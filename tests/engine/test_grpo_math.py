@@ -1,0 +1,180 @@
+"""engine.grpo (and the k2 KL estimator) against naive per-sample, per-token loops of the papers' formulas."""
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from engine.grpo import (
+    STD_EPS,
+    aggregate,
+    clipped_surrogate,
+    kl_to_go,
+    sequence_advantages,
+    tied_groups,
+    token_advantages,
+)
+from engine.ppo import kl_per_token
+
+G = 4
+LENGTHS = [5, 1, 3, 5, 2, 4, 5, 3]  # two groups of four samples
+T = 5
+SCORES = [1.0, 0.0, 0.5, 1.0, 0.2, 0.2, 0.9, -0.3]
+
+
+def _mask() -> torch.Tensor:
+    return torch.tensor([[1.0 if t < n else 0.0 for t in range(T)] for n in LENGTHS], dtype=torch.float64)
+
+
+def _randn(seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(len(LENGTHS), T, generator=g, dtype=torch.float64) * scale
+
+
+def _scores() -> torch.Tensor:
+    return torch.tensor(SCORES, dtype=torch.float64)
+
+
+def _group_of(i: int) -> list[float]:
+    start = i // G * G
+    return SCORES[start : start + G]
+
+
+def test_kl_k2():
+    logp, ref = _randn(0), _randn(1)
+    out = kl_per_token(logp, ref, "k2")
+    for i in range(len(LENGTHS)):
+        for t in range(T):
+            assert out[i, t].item() == pytest.approx(0.5 * (logp[i, t].item() - ref[i, t].item()) ** 2, rel=1e-12)
+
+
+def test_grpo_advantage_is_the_group_normalised_score():
+    out = sequence_advantages(_scores(), G, "grpo")
+    for i, r in enumerate(SCORES):
+        group = _group_of(i)
+        expected = (r - statistics.mean(group)) / (statistics.stdev(group) + STD_EPS)
+        assert out[i].item() == pytest.approx(expected, rel=1e-9)
+
+
+def test_dr_grpo_advantage_subtracts_the_group_mean_only():
+    out = sequence_advantages(_scores(), G, "dr_grpo")
+    for i, r in enumerate(SCORES):
+        assert out[i].item() == pytest.approx(r - statistics.mean(_group_of(i)), rel=1e-9, abs=1e-12)
+
+
+def test_rloo_baseline_leaves_the_sample_out():
+    out = sequence_advantages(_scores(), G, "rloo")
+    for i, r in enumerate(SCORES):
+        start = i // G * G
+        others = [SCORES[j] for j in range(start, start + G) if j != i]
+        assert out[i].item() == pytest.approx(r - sum(others) / len(others), rel=1e-9, abs=1e-12)
+
+
+def test_rloo_needs_two_samples_per_prompt():
+    with pytest.raises(ValueError, match="group_size of at least 2"):
+        sequence_advantages(_scores(), 1, "rloo")
+
+
+def test_a_tied_group_has_zero_advantage_and_is_counted():
+    scores = torch.tensor([0.5, 0.5, 0.5, 0.5, 1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    for estimator in ("grpo", "dr_grpo", "rloo"):
+        assert sequence_advantages(scores, G, estimator)[:G].abs().max().item() == 0.0  # type: ignore[arg-type]
+    assert tied_groups(scores, G).item() == 0.5
+    assert tied_groups(_scores(), G).item() == 0.0
+
+
+def test_kl_to_go_sums_the_penalty_from_each_token_on():
+    kl, mask = _randn(2), _mask()
+    out = kl_to_go(kl, mask, 0.1)
+    for i, n in enumerate(LENGTHS):
+        for t in range(T):
+            expected = sum(-0.1 * kl[i, s].item() for s in range(t, n)) if t < n else 0.0
+            assert out[i, t].item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def _naive_whiten(values: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """Zero mean, unit (biased) variance over the given cells."""
+    mean = sum(values.values()) / len(values)
+    var = sum((v - mean) ** 2 for v in values.values()) / len(values)
+    return {k: (v - mean) / math.sqrt(var + 1e-8) for k, v in values.items()}
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_reinforce_pp_whitens_the_return_of_score_and_kl_rewards_over_the_batch(estimator: str) -> None:
+    """REINFORCE++ (Hu 2025): token rewards -β·KL, plus the score (less the group mean for the baseline
+    variant) on the last token; each token's return is the sum of the rewards from it on (γ = 1), whitened over
+    every kept token of the batch."""
+    kl, mask, beta = _randn(3, 0.3), _mask(), 0.05
+    out = token_advantages(_scores(), mask, G, estimator, kl=kl, kl_coef=beta)  # type: ignore[arg-type]
+    returns = {}
+    for i, n in enumerate(LENGTHS):
+        score = SCORES[i] - (statistics.mean(_group_of(i)) if estimator == "reinforce_pp_baseline" else 0.0)
+        rewards = [-beta * kl[i, t].item() + (score if t == n - 1 else 0.0) for t in range(n)]
+        for t in range(n):
+            returns[(i, t)] = sum(rewards[t:])
+    expected = _naive_whiten(returns)
+    for i in range(len(LENGTHS)):
+        for t in range(T):
+            assert out[i, t].item() == pytest.approx(expected.get((i, t), 0.0), rel=1e-6, abs=1e-9)
+
+
+def test_group_advantages_are_the_same_on_every_kept_token_without_kl():
+    mask = _mask()
+    out = token_advantages(_scores(), mask, G, "grpo")
+    seq = sequence_advantages(_scores(), G, "grpo")
+    for i, n in enumerate(LENGTHS):
+        for t in range(T):
+            assert out[i, t].item() == pytest.approx(seq[i].item() if t < n else 0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize(("low", "high"), [(0.2, 0.2), (0.2, 0.28)])
+def test_clipped_surrogate_per_token(low: float, high: float) -> None:
+    logp, old, adv = _randn(4, 0.3), _randn(5, 0.3), _randn(6)
+    loss, clipped = clipped_surrogate(logp, old, adv, low, high)
+    for i in range(len(LENGTHS)):
+        for t in range(T):
+            ratio = math.exp(logp[i, t].item() - old[i, t].item())
+            a = adv[i, t].item()
+            plain, bounded = -a * ratio, -a * min(max(ratio, 1 - low), 1 + high)
+            assert loss[i, t].item() == pytest.approx(max(plain, bounded), rel=1e-9)
+            assert clipped[i, t].item() == float(bounded > plain)
+
+
+def test_clip_higher_lets_a_positive_advantage_raise_the_ratio_further():
+    logp = torch.tensor([[math.log(1.25)]], dtype=torch.float64, requires_grad=True)
+    old, adv = torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64)
+    symmetric, _ = clipped_surrogate(logp, old, adv, 0.2, 0.2)
+    higher, _ = clipped_surrogate(logp, old, adv, 0.2, 0.28)
+    (g_sym,) = torch.autograd.grad(symmetric.sum(), logp)
+    (g_high,) = torch.autograd.grad(higher.sum(), logp)
+    assert g_sym.item() == 0.0  # ratio 1.25 > 1.2: clipped, no gradient
+    assert g_high.item() < 0.0  # within 1.28: still pushed up
+
+
+def _naive_aggregate(loss: torch.Tensor, how: str, max_tokens: int) -> float:
+    rows = [[loss[i, t].item() for t in range(n)] for i, n in enumerate(LENGTHS)]
+    if how == "token_mean":
+        return sum(sum(r) for r in rows) / sum(LENGTHS)
+    if how == "sequence_mean":
+        return sum(sum(r) / len(r) for r in rows) / len(rows)
+    return sum(sum(r) for r in rows) / (len(rows) * max_tokens)
+
+
+@pytest.mark.parametrize("how", ["token_mean", "sequence_mean", "constant"])
+def test_aggregations(how: str) -> None:
+    loss, mask = _randn(7), _mask()
+    out = aggregate(loss, mask, how, max_tokens=T)  # type: ignore[arg-type]
+    assert out.item() == pytest.approx(_naive_aggregate(loss, how, T), rel=1e-9)
+
+
+@pytest.mark.parametrize("how", ["token_mean", "sequence_mean", "constant"])
+def test_micro_batch_parts_sum_to_the_whole(how: str) -> None:
+    loss, mask = _randn(8), _mask()
+    whole = aggregate(loss, mask, how, max_tokens=T)  # type: ignore[arg-type]
+    n_seq, n_tok = len(LENGTHS), mask.sum()
+    parts = sum(
+        aggregate(loss[i : i + 3], mask[i : i + 3], how, n_sequences=n_seq, n_tokens=n_tok, max_tokens=T)  # type: ignore[arg-type]
+        for i in range(0, len(LENGTHS), 3)
+    )
+    assert float(parts) == pytest.approx(whole.item(), rel=1e-9)

@@ -1,0 +1,394 @@
+"""GRPO end to end (engine/grpo_train.py): group sampling, learning on the verifiable digits task, the reward
+sources giving the same curve (a rule, a Python function, an HTTP service on loopback), every estimator, exact
+resume, gradient accumulation, LoRA on a Llama with chat prompts, a reward model, and the reward faults."""
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.builtin import digits
+from engine.config import JobSpec
+from engine.data import encode_prompts, load_rows
+from engine.demo import TASKS, evaluate_policy
+from engine.generate import sample
+from engine.graders import RewardFunctionError, RewardServiceError
+from engine.models import load_causal_lm, load_tokenizer, resolve_model_ref
+from tests.engine.helpers import (
+    COMMON_METRICS,
+    Pretrained,
+    assert_all_finite,
+    final_model_dir,
+    is_timing,
+    load_weights,
+    train,
+)
+from tests.models import build_model, chat_rows, write_jsonl
+from tests.recorder import Recorder
+
+GRPO_METRICS = (
+    *COMMON_METRICS,
+    "reward/mean",
+    "reward/std",
+    "objective/kl",
+    "groups/tied_fraction",
+    "loss/policy",
+    "loss/kl",
+    "policy/clipfrac",
+    "policy/approxkl",
+    "response/length_mean",
+    "response/eos_fraction",
+    "time/rollout_s",
+    "time/train_s",
+)
+EVAL_PROMPTS = 96
+
+
+def grpo_spec(model: str | Path, *, hyperparameters: dict[str, Any] | None = None, **fields: Any) -> JobSpec:
+    """A validated grpo spec on the digits task, rewarded by its rule: 8 prompts × 4 samples, 2 steps."""
+    data: dict[str, Any] = {
+        "type": "grpo",
+        "model": str(model),
+        "dataset": "builtin:digits-prompts",
+        "reward": digits.GRADER,
+        "hyperparameters": {
+            "total_steps": 2,
+            "batch_size": 8,
+            "group_size": 4,
+            "mini_batch_size": 16,
+            "response_length": 4,
+            "learning_rate": 5e-4,
+            **(hyperparameters or {}),
+        },
+        "seed": 0,
+        "checkpoint_every": 1000,
+    }
+    data.update(fields)
+    return JobSpec.model_validate(data)
+
+
+@pytest.fixture(scope="module")
+def digits_sft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model after SFT on the digits task's careless demonstrations (about a third of answers right)."""
+    out = tmp_path_factory.mktemp("digits") / "sft"
+    spec = JobSpec.model_validate(
+        {
+            "type": "sft",
+            "model": "builtin:tiny",
+            "dataset": "builtin:digits-sft",
+            "hyperparameters": {"max_steps": 500, "batch_size": 32, "learning_rate": 3e-3, "warmup_steps": 10},
+            "checkpoint_every": 1000,
+        }
+    )
+    result, _ = train(spec, out)
+    assert result.status == "succeeded"
+    return out
+
+
+@pytest.fixture(scope="module")
+def eval_prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rows = load_rows("builtin:digits-prompts-eval", "prompts")[:EVAL_PROMPTS]
+    return write_jsonl(rows, tmp_path_factory.mktemp("digits-data") / "prompts-eval.jsonl")
+
+
+# 1. ---------------------------------------------------------------------------------------------------------
+
+
+def test_group_sampling_prefills_each_prompt_once_and_samples_as_repeated_prompts() -> None:
+    tokenizer = load_tokenizer("builtin:tiny")
+    model = load_causal_lm("builtin:tiny", tokenizer, 0).eval()
+    prompts = ["4 7 2 : last =", "we watched the film and it was", "1 2 3 : first ="]
+    queries, mask = encode_prompts(tokenizer, prompts, 32)
+    batch_sizes: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kwargs: batch_sizes.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    grouped = sample(model, queries, mask, 6, 1.0, generator=torch.Generator().manual_seed(3), group_size=4)
+    hook.remove()
+    assert batch_sizes[0] == (3, queries.shape[1])  # the prompts, once each
+    assert all(shape == (12, 1) for shape in batch_sizes[1:])  # then one token per sample
+    repeated = sample(
+        model,
+        queries.repeat_interleave(4, 0),
+        mask.repeat_interleave(4, 0),
+        6,
+        1.0,
+        generator=torch.Generator().manual_seed(3),
+    )
+    assert torch.equal(grouped[0], repeated[0])
+    torch.testing.assert_close(grouped[1], repeated[1])
+
+
+# 2. ---------------------------------------------------------------------------------------------------------
+
+
+def test_grpo_raises_held_out_accuracy_on_the_digits_task(digits_sft: Path, eval_prompts: Path, tmp_path) -> None:
+    steps = 60
+    spec = grpo_spec(
+        digits_sft,
+        eval_dataset=str(eval_prompts),
+        hyperparameters={
+            "total_steps": steps,
+            "batch_size": 32,
+            "group_size": 8,
+            "mini_batch_size": 64,
+            "eval_every": 30,
+        },
+    )
+    result, rec = train(spec, tmp_path / "grpo")
+    assert (result.status, result.step) == ("succeeded", steps)
+    assert sorted(rec.metrics) == list(range(1, steps + 1))
+    for step, values in rec.metrics.items():
+        assert set(GRPO_METRICS) | {"reward/correct"} <= set(values), step
+    assert_all_finite(rec.metrics)
+    assert set(rec.metrics[30]) >= {"eval/reward", "eval/reward/correct", "eval/length_mean"}
+
+    rows = load_rows(str(eval_prompts), "prompts")
+    sft_dir = resolve_model_ref(str(digits_sft))
+    before = evaluate_policy(sft_dir, sft_dir, None, rows, TASKS["digits"]).success
+    after = rec.metrics[steps]["eval/reward"]
+    assert after >= before + 0.15, (before, after)
+    first = sum(rec.metrics[s]["reward/mean"] for s in range(1, 6)) / 5
+    last = sum(rec.metrics[s]["reward/mean"] for s in range(steps - 4, steps + 1)) / 5
+    assert last > first + 0.1, (first, last)
+
+
+# 3. ---------------------------------------------------------------------------------------------------------
+
+
+class RuleService:
+    """A reward service on loopback (OpenRLHF's protocol): 1.0 where the query ends with its label. ``fail_after``
+    requests, it answers 503 to every later one."""
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.requests = 0
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                service.requests += 1
+                if fail_after is not None and service.requests > fail_after:
+                    self.send_response(503)
+                    self.end_headers()
+                    return
+                rewards = [
+                    float(query.removeprefix(prompt) == label)
+                    for query, prompt, label in zip(body["query"], body["prompts"], body["labels"], strict=True)
+                ]
+                data = json.dumps({"rewards": rewards}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def rule_service() -> Iterator[RuleService]:
+    service = RuleService()
+    yield service
+    service.close()
+
+
+def http_grader(url: str, **fields: Any) -> dict[str, Any]:
+    return {"type": "http", "name": "correct", "url": url, "label": "{{item.answer}}", "backoff_s": 0.01, **fields}
+
+
+def test_a_rule_a_function_and_a_service_give_the_same_curve(
+    digits_sft: Path, rule_service: RuleService, tmp_path, deterministic
+) -> None:
+    rewards = {
+        "string_check": digits.GRADER,
+        "python": {"type": "python", "name": "correct", "function": "engine.builtin.digits:exact_match"},
+        "http": http_grader(rule_service.url, batch_size=20),
+    }
+    curves, weights = {}, {}
+    for kind, reward in rewards.items():
+        result, rec = train(grpo_spec(digits_sft, reward=reward, hyperparameters={"total_steps": 3}), tmp_path / kind)
+        assert result.status == "succeeded"
+        curves[kind] = {s: {k: v for k, v in m.items() if not is_timing(k)} for s, m in rec.metrics.items()}
+        weights[kind] = load_weights(final_model_dir(tmp_path / kind))
+    assert curves["python"] == curves["string_check"]
+    assert curves["http"] == curves["string_check"]
+    assert 0 < curves["string_check"][1]["reward/correct"] < 1
+    for kind in ("python", "http"):
+        assert all(torch.equal(weights[kind][k], weights["string_check"][k]) for k in weights[kind])
+    assert rule_service.requests == 3 * 2  # 32 samples a step, in batches of 20
+
+
+# 4. ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("estimator", "options"),
+    [
+        ("grpo", {}),
+        ("grpo", {"kl_in_reward": True, "kl_estimator": "k1", "loss_aggregation": "sequence_mean"}),
+        ("dr_grpo", {"num_iterations": 2, "cliprange_high": 0.28}),
+        ("rloo", {"kl_estimator": "k2"}),
+        ("reinforce_pp", {"group_size": 1, "batch_size": 16}),
+        ("reinforce_pp_baseline", {}),
+    ],
+)
+def test_every_estimator_trains(digits_sft: Path, tmp_path, estimator: str, options: dict[str, Any]) -> None:
+    spec = grpo_spec(digits_sft, hyperparameters={"advantage_estimator": estimator, **options})
+    result, rec = train(spec, tmp_path / "job")
+    assert (result.status, result.step) == ("succeeded", 2)
+    assert_all_finite(rec.metrics)
+    assert rec.metrics[1]["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # step 1 samples the reference itself
+    kl_in_reward = spec.config.kl_as_reward  # type: ignore[attr-defined]
+    assert (rec.metrics[2]["loss/kl"] == 0.0) == kl_in_reward
+    assert rec.metrics[2]["objective/kl"] > 0  # the first update moved the policy
+    if options.get("num_iterations") == 2:  # the second pass is off-policy: ratios leave 1
+        assert rec.metrics[2]["policy/approxkl"] > 0
+
+
+def test_without_kl_no_reference_is_used(digits_sft: Path, tmp_path) -> None:
+    result, rec = train(grpo_spec(digits_sft, hyperparameters={"kl_coef": 0.0}), tmp_path / "job")
+    assert result.status == "succeeded"
+    assert rec.metrics[2]["objective/kl"] == 0.0 and rec.metrics[2]["loss/kl"] == 0.0
+
+
+# 5. ---------------------------------------------------------------------------------------------------------
+
+
+def test_pause_and_resume_matches_an_uninterrupted_run(digits_sft: Path, tmp_path, deterministic) -> None:
+    spec = grpo_spec(digits_sft, hyperparameters={"total_steps": 4})
+    straight, reference = train(spec, tmp_path / "straight")
+    paused, first = train(spec, tmp_path / "resumed", Recorder(stop_after=2, stop="pause"))
+    assert (paused.status, paused.step) == ("paused", 2)
+    resumed, second = train(spec, tmp_path / "resumed")
+    assert (straight.status, resumed.status, second.starts) == ("succeeded", "succeeded", [(2, 4)])
+    got = first.metrics | second.metrics
+    for step in range(1, 5):
+        expected = {k: v for k, v in reference.metrics[step].items() if not is_timing(k)}
+        assert {k: v for k, v in got[step].items() if not is_timing(k)} == expected, step
+    a, b = load_weights(final_model_dir(tmp_path / "straight")), load_weights(final_model_dir(tmp_path / "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_gradient_accumulation_gives_the_same_update(digits_sft: Path, tmp_path, deterministic) -> None:
+    runs = {}
+    for steps in (1, 4):
+        hyperparameters = {"gradient_accumulation_steps": steps, "adam_eps": 1e-3, "loss_aggregation": "sequence_mean"}
+        result, rec = train(grpo_spec(digits_sft, hyperparameters=hyperparameters), tmp_path / f"acc{steps}")
+        assert result.status == "succeeded"
+        runs[steps] = (rec.metrics, load_weights(final_model_dir(tmp_path / f"acc{steps}")))
+    (m1, w1), (m4, w4) = runs[1], runs[4]
+    for name in ("reward/mean", "loss/policy", "loss/kl", "grad_norm", "objective/kl"):
+        assert m4[2][name] == pytest.approx(m1[2][name], rel=1e-4, abs=1e-6), name
+    for name in w1:
+        torch.testing.assert_close(w4[name], w1[name], atol=1e-5, rtol=0)
+
+
+# 6. ---------------------------------------------------------------------------------------------------------
+
+
+def mentions_positive(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+    """A reward function in TRL's form for chat prompts: 1.0 when the assistant's reply has a positive word."""
+    assert all(isinstance(p, list) for p in prompts) and columns["mood"] == ["positive"] * len(prompts)
+    return [float(any(w in c[0]["content"] for w in ("great", "good", "fun"))) for c in completions]
+
+
+def test_lora_on_a_llama_with_chat_prompts_and_a_reward_function(tmp_path: Path) -> None:
+    llama = build_model("llama", tmp_path / "llama")
+    rows = [{**row, "mood": "positive"} for row in chat_rows("prompts", 8)]
+    data = write_jsonl(rows, tmp_path / "prompts.jsonl")
+    spec = grpo_spec(
+        llama,
+        dataset=str(data),
+        reward={"type": "python", "function": "tests.engine.test_grpo_train:mentions_positive"},
+        lora={"r": 4, "alpha": 8},
+        hyperparameters={"response_length": 8},
+    )
+    result, rec = train(spec, tmp_path / "job")
+    assert (result.status, result.step) == ("succeeded", 2)
+    assert rec.metrics[1]["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # the reference: adapters off
+    assert "reward/python" in rec.metrics[1]
+    assert (tmp_path / "job" / "checkpoints" / "step-2" / "adapters" / "policy").is_dir()
+
+
+def test_a_reward_model_scores_reviews(pretrained: Pretrained, tmp_path: Path) -> None:
+    spec = JobSpec.model_validate(
+        {
+            "type": "grpo",
+            "model": str(pretrained.sft),
+            "reward_model": str(pretrained.rm),
+            "dataset": "builtin:reviews-prompts",
+            "eval_dataset": "builtin:reviews-prompts-eval",
+            "eval_reward": {"type": "python", "name": "truth", "function": "tests.engine.test_grpo_train:is_positive"},
+            "hyperparameters": {
+                "total_steps": 2,
+                "batch_size": 4,
+                "group_size": 4,
+                "mini_batch_size": 16,
+                "response_length": 12,
+                "eval_max_prompts": 8,
+            },
+            "checkpoint_every": 1000,
+        }
+    )
+    result, rec = train(spec, tmp_path / "job")
+    assert result.status == "succeeded"
+    assert rec.metrics[1]["reward/std"] > 0
+    assert rec.metrics[1]["reward/reward_model"] == rec.metrics[1]["reward/mean"]
+    assert 0 <= rec.metrics[2]["eval/reward/truth"] <= 1 and "eval/reward/reward_model" not in rec.metrics[2]
+
+
+def is_positive(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+    from engine.builtin import reviews
+
+    return [float(reviews.is_positive(c)) for c in completions]
+
+
+# 7. ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_dead_reward_service_fails_the_job_and_keeps_the_newest_checkpoint(digits_sft: Path, tmp_path) -> None:
+    service = RuleService(fail_after=3)
+    try:
+        spec = grpo_spec(
+            digits_sft,
+            reward=http_grader(service.url, retries=2),
+            hyperparameters={"total_steps": 6},
+            checkpoint_every=2,
+        )
+        with pytest.raises(RewardServiceError, match=r"reward service http://127\.0\.0\.1:\d+/score failed after 3"):
+            train(spec, tmp_path / "job")
+    finally:
+        service.close()
+    assert sorted(p.name for p in (tmp_path / "job" / "checkpoints").iterdir()) == ["step-2"]
+
+
+def raises_on_seven(prompts: list[str], completions: list[str], answer: list[str], **columns: Any) -> list[float]:
+    for prompt in prompts:
+        if prompt.startswith("7 "):
+            raise ZeroDivisionError("no sevens")
+    return [1.0] * len(prompts)
+
+
+def test_a_reward_function_that_raises_names_itself_and_the_row(digits_sft: Path, tmp_path) -> None:
+    spec = grpo_spec(
+        digits_sft,
+        reward={"type": "python", "function": "tests.engine.test_grpo_train:raises_on_seven"},
+        hyperparameters={"total_steps": 6},
+    )
+    with pytest.raises(RewardFunctionError, match=r"tests\.engine\.test_grpo_train:raises_on_seven.*row \d+.*'7 "):
+        train(spec, tmp_path / "job")
