@@ -755,7 +755,7 @@ class JobSpec(_Strict):
         if needs and self.reward_model is None and self.reward is None:
             raise ValueError(f"reward_model or reward is required for {self.type} jobs")
         if needs and self.reward_model is not None and self.reward is not None:
-            raise ValueError("give reward_model or reward, not both (reward_model is shorthand for a model reward)")
+            raise ValueError("reward_model and reward both given: give one (reward_model: a model reward, in short)")
         takes = " and ".join(name for name, info in JOB_TYPES.items() if info.reward_model)
         for field_name in ("reward_model", "reward", "eval_reward"):
             if not needs and getattr(self, field_name) is not None:

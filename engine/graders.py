@@ -377,6 +377,17 @@ def model_refs(grader: Grader) -> list[str]:
     return [sub.model for _, sub in iter_graders(grader) if isinstance(sub, ModelGrader)]
 
 
+def replace_models(data: dict[str, Any], replace: Callable[[str, str], str], param: str) -> dict[str, Any]:
+    """A copy of a validated grader's JSON object with each model grader's ``model`` replaced by
+    ``replace(its spec path, e.g. "reward.graders.rm.model", the reference)`` (the service resolves ``job:<id>``)."""
+    if data.get("type") == "model":
+        return {**data, "model": replace(f"{param}.model", data["model"])}
+    if data.get("type") == "multi":
+        graders = {key: replace_models(sub, replace, f"{param}.graders.{key}") for key, sub in data["graders"].items()}
+        return {**data, "graders": graders}
+    return data
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Operator allow-lists
 

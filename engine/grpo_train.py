@@ -24,16 +24,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
 from engine.config import GRPOConfig, JobSpec
-from engine.data import batch_indices, encode_prompts, render
+from engine.data import batch_indices, encode_prompts
 from engine.distributed import Ranks
 from engine.generate import sample
-from engine.graders import RewardScores, Samples, reward_metrics
+from engine.graders import RewardScores, reward_metrics
 from engine.grpo import aggregate, clipped_surrogate, tied_groups, token_advantages
 from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything
 from engine.models import check_fits, load_causal_lm, prepare
 from engine.ops import truncate_after_stop
 from engine.ppo import kl_per_token
-from engine.rewards import RewardFunction
+from engine.rewards import RewardFunction, eval_metrics, samples_of
 from engine.rollout import base_of, response_logprobs
 
 MB_STATS = ("pg", "kl", "clip", "akl")
@@ -210,13 +210,7 @@ def rollout(
         ref_logprobs = torch.cat(chunks) * mask
 
     texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
-    seen = [p if isinstance(p, str) else render(tokenizer, p, add_generation_prompt=True) for p in prompts]
-    samples = Samples(
-        prompts=[p for p in prompts for _ in range(group_size)],
-        prompt_texts=[text for text in seen for _ in range(group_size)],
-        completions=texts,
-        rows=[row for row in rows for _ in range(group_size)],
-    )
+    samples = samples_of(tokenizer, [row for row in rows for _ in range(group_size)], texts)
     scored = reward(samples, stopped.tolist())
     return (
         GroupRollout(
@@ -307,9 +301,7 @@ def evaluate(
         for name, values in scored.components.items():
             components.setdefault(name, []).extend(values)
         lengths.append(ex.mask.sum(1))
-    metrics = reward_metrics(RewardScores(totals, components), prefix="eval/reward")
-    metrics["eval/reward"] = metrics.pop("eval/reward/mean")
-    metrics.pop("eval/reward/std")
+    metrics = eval_metrics(RewardScores(totals, components))
     metrics["eval/length_mean"] = torch.cat(lengths).mean().item()
     return metrics
 

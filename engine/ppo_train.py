@@ -23,6 +23,7 @@ from engine.callbacks import Callbacks
 from engine.config import JobSpec, PPOConfig
 from engine.data import batch_indices, encode_prompts, encode_sft_batch, load_rows
 from engine.distributed import Ranks
+from engine.graders import ModelGrader, RewardScores, reward_metrics
 from engine.health import CollapseMonitor, TrainingCollapseError
 from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything
 from engine.models import ScalarHead, check_fits, load_causal_lm, load_scalar_model, load_tokenizer, prepare
@@ -39,8 +40,10 @@ from engine.ppo import (
     value_loss,
 )
 from engine.reward import same_vocabulary
+from engine.rewards import RewardFunction, eval_metrics, gathered, grader_scorer, merged, samples_of
 from engine.rollout import (
     Rollout,
+    decode_responses,
     gather_rollout,
     make_rollout,
     response_logprobs,
@@ -48,15 +51,14 @@ from engine.rollout import (
     text_scorer,
     token_scorer,
 )
-from engine.rows import Text
 from engine.sft import completion_loss_sum, count_labels
 
 MB_STATS = ("pg", "vf", "clip", "vclip", "akl", "ent", "ptx")
 """Per-minibatch statistics: policy and value loss, their clip fractions, approx-KL, entropy, ptx loss."""
 
-Sampler = Callable[[Sequence[Text], torch.Tensor, torch.Tensor, torch.Generator], Rollout]
-"""Rolls out prompts: (the prompts, their queries (b, P) and query mask on the device, the generator sampling
-them) -> their :class:`Rollout` (see :func:`engine.rollout.make_rollout`)."""
+Sampler = Callable[[Sequence[dict[str, Any]], torch.Tensor, torch.Tensor, torch.Generator], Rollout]
+"""Rolls out prompts: (their dataset rows, their queries (b, P) and query mask on the device, the generator
+sampling them) -> their :class:`Rollout` (see :func:`engine.rollout.make_rollout`)."""
 
 
 @dataclass
@@ -80,21 +82,22 @@ def frozen(model: PreTrainedModel) -> PreTrainedModel:
 
 def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
     cfg = spec.config
-    assert isinstance(cfg, PPOConfig) and spec.reward_model is not None
+    assert isinstance(cfg, PPOConfig) and spec.reward_grader is not None
+    # a reward model (reward_model, or a reward of one model grader) scores tokens; other rewards score text
+    reward_ref = spec.reward_model or (spec.reward.model if isinstance(spec.reward, ModelGrader) else None)
     seed_everything(spec.seed)
     ranks = Ranks.current()  # several processes: each rolls out and trains on its share of every batch
 
     # Data: prompts, and SFT rows for the optional pretraining (ptx) loss; rank 0 evaluates
     prompt_rows, eval_rows = load_datasets(spec, "ppo", ranks)
-    prompts = [r["prompt"] for r in prompt_rows]
     ptx_rows = load_rows(cfg.ptx_dataset, "sft") if cfg.ptx_dataset and cfg.ptx_coef > 0 else []
     eval_rows = eval_rows[: cfg.eval_max_prompts]
-    eval_prompts = [r["prompt"] for r in eval_rows]
 
     # Models: trained policy and critic, frozen reference (the starting policy) and frozen reward model.
     # The critic starts as the reward model (PPO-max); with LoRA the reference and the reward model are the
     # policy's and critic's own bases with the adapters disabled. A reward model of another vocabulary
-    # scores the decoded text with its own tokenizer, and the critic then starts from the policy's backbone.
+    # scores the decoded text with its own tokenizer, and the critic then starts from the policy's backbone;
+    # so does it for a reward of graders (rules, functions, services), which score the decoded text.
     run = Run.open(
         spec,
         out_dir,
@@ -103,8 +106,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         {"dataset": prompt_rows, "eval_dataset": eval_rows, "hyperparameters.ptx_dataset": ptx_rows},
     )
     tokenizer = run.tokenizer
-    reward_tokenizer = load_tokenizer(spec.reward_model)
-    shared_vocabulary = same_vocabulary(tokenizer, reward_tokenizer)
+    reward_tokenizer = load_tokenizer(reward_ref) if reward_ref else None
+    shared_vocabulary = reward_tokenizer is not None and same_vocabulary(tokenizer, reward_tokenizer)
 
     def causal_lm(ref: str) -> PreTrainedModel:
         return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
@@ -118,15 +121,23 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     policy = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
     ref_policy = frozen(causal_lm(spec.model)) if spec.lora is None else None
     stop_token_id = tokenizer.eos_token_id if cfg.stop_token == "eos" else None
+    recorded: list[RewardScores] = []  # a reward of graders: each rollout chunk's component scores
     if shared_vocabulary:
-        value_model = run.load_trained("value", spec.reward_model, scalar_model, "SEQ_CLS")
-        reward_model = frozen(scalar_model(spec.reward_model)) if spec.lora is None else None
+        assert reward_ref is not None
+        value_model = run.load_trained("value", reward_ref, scalar_model, "SEQ_CLS")
+        reward_model = frozen(scalar_model(reward_ref)) if spec.lora is None else None
         scorer = token_scorer(reward_model, value_model)
     else:
         value_model = run.load_trained(
             "value", spec.model, lambda ref: scalar_model(ref, trained_head=False), "SEQ_CLS"
         )
-        reward_model = frozen(scalar_model(spec.reward_model, reward_tokenizer))
+    eval_reward = RewardFunction(spec.eval_reward, tokenizer, device, cfg.dtype) if spec.eval_reward else None
+    if reward_ref is None:
+        grader = RewardFunction(spec.reward_grader, tokenizer, device, cfg.dtype)
+        scorer = grader_scorer(grader, tokenizer, stop_token_id, recorded)
+    elif not shared_vocabulary:
+        assert reward_tokenizer is not None
+        reward_model = frozen(scalar_model(reward_ref, reward_tokenizer))
         scorer = text_scorer(reward_model, reward_tokenizer, tokenizer, stop_token_id)
         callbacks.on_event(
             "info",
@@ -144,10 +155,10 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     saved = {"policy": policy, "value": value_model}  # the checkpoints' models
 
     def sample(
-        prompts: Sequence[Text], queries: torch.Tensor, query_mask: torch.Tensor, generator: torch.Generator
+        rows: Sequence[dict[str, Any]], queries: torch.Tensor, query_mask: torch.Tensor, generator: torch.Generator
     ) -> Rollout:
         return make_rollout(
-            policy, ref_policy, value_model, scorer, prompts, queries, query_mask, cfg.response_length,
+            policy, ref_policy, value_model, scorer, rows, queries, query_mask, cfg.response_length,
             cfg.temperature, cfg.top_k, stop_token_id, tokenizer.pad_token_id, generator,
             chunk_size=cfg.mini_batch_size,
         )  # fmt: skip
@@ -200,10 +211,10 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         # 1. rollout: a batch of prompts (left-padded), each rank sampling responses to its share, truncated
         #    after the stop token, with logprobs, ref_logprobs, values and scores. Every rank's rows are then
         #    gathered: the stages up to the PPO epochs see the whole batch.
-        batch_prompts = [prompts[i] for i in batch_indices(len(prompts), B, spec.seed, step - 1)]
-        queries, query_mask = encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_length)
+        batch_rows = [prompt_rows[i] for i in batch_indices(len(prompt_rows), B, spec.seed, step - 1)]
+        queries, query_mask = encode_prompts(tokenizer, [r["prompt"] for r in batch_rows], cfg.max_prompt_length)
         own = ranks.share(B)
-        ro = sample(batch_prompts[own], queries[own].to(device), query_mask[own].to(device), generator)
+        ro = sample(batch_rows[own], queries[own].to(device), query_mask[own].to(device), generator)
         ro = gather_rollout(ro, ranks, tokenizer.pad_token_id)
         mask = ro.mask.float()  # (B, T)
         t_rollout = time.perf_counter() - t0
@@ -256,8 +267,14 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         metrics = ppo_metrics(exp, raw_scores, non_score_reward, mean_kl, kl_coef, stats, lr, t_rollout, elapsed)
         if ptx_rows:
             metrics["loss/ptx"] = _mean(stats["ptx"])
-        if eval_prompts and run.eval_due(step, cfg.eval_every):
-            metrics.update(evaluate(sample, tokenizer, eval_prompts, cfg, spec.seed, device))
+        if recorded:  # the reward's components, over every rank's rows
+            metrics.update(reward_metrics(gathered(merged(recorded), ranks, device)))
+            recorded.clear()
+        if eval_rows and run.eval_due(step, cfg.eval_every):
+            metrics.update(evaluate(sample, tokenizer, eval_rows, cfg, spec.seed, device, eval_reward, stop_token_id))
+            if eval_reward is None and recorded:  # a reward of graders: its scores of the held-out samples
+                metrics.update(eval_metrics(merged(recorded)))
+            recorded.clear()
 
         # 6. collapse signals (MOSS-RLHF §2.1, engine/health.py), from metrics every rank computed alike: each
         #    takes the same decision
@@ -409,25 +426,34 @@ def ppo_metrics(
 def evaluate(
     sample: Sampler,
     tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[Text],
+    rows: Sequence[dict[str, Any]],
     cfg: PPOConfig,
     seed: int,
     device: torch.device,
+    eval_reward: RewardFunction | None = None,
+    stop_token_id: int | None = None,
 ) -> dict[str, float]:
-    """Held-out prompts, sampled as in training but from their own fixed seed (training RNG untouched)."""
+    """Held-out prompts, sampled as in training but from their own fixed seed (training RNG untouched); with
+    ``eval_reward``, their samples scored by it too (``eval/reward`` and its components)."""
     eval_generator = torch.Generator(device).manual_seed(seed)
-    scores, kls, lengths = [], [], []
-    for i in range(0, len(prompts), cfg.batch_size):
-        chunk = prompts[i : i + cfg.batch_size]
-        queries, query_mask = (t.to(device) for t in encode_prompts(tokenizer, chunk, cfg.max_prompt_length))
+    scores, kls, lengths, judged = [], [], [], []
+    for i in range(0, len(rows), cfg.batch_size):
+        chunk = rows[i : i + cfg.batch_size]
+        prompts = [row["prompt"] for row in chunk]
+        queries, query_mask = (t.to(device) for t in encode_prompts(tokenizer, prompts, cfg.max_prompt_length))
         ro = sample(chunk, queries, query_mask, eval_generator)
         scores.append(ro.scores)
         kls.append(((ro.logprobs - ro.ref_logprobs) * ro.mask).sum(1))
         lengths.append(ro.mask.sum(1).float())
+        if eval_reward is not None:
+            P = ro.context_length
+            texts, stopped = decode_responses(tokenizer, ro.query_responses, ro.attention_mask, P, stop_token_id)
+            judged.append(eval_reward(samples_of(tokenizer, chunk, texts), stopped))
     return {
         "eval/scores": torch.cat(scores).mean().item(),
         "eval/kl": torch.cat(kls).mean().item(),
         "eval/length_mean": torch.cat(lengths).mean().item(),
+        **(eval_metrics(merged(judged)) if judged else {}),
     }
 
 

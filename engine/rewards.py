@@ -2,13 +2,17 @@
 ``model`` graders name loaded once (frozen) and scoring the decoded text with their own tokenizers."""
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.graders import Grader, ModelGrader, RewardScores, Samples, iter_graders, score
+from engine.data import render
+from engine.distributed import Ranks
+from engine.graders import Grader, ModelGrader, RewardScores, Samples, iter_graders, reward_metrics, score
 from engine.models import load_scalar_model, load_tokenizer, prepare
 from engine.reward import score_texts
+from engine.rollout import Scorer, decode_responses
 
 
 class RewardFunction:
@@ -37,3 +41,56 @@ class RewardFunction:
             return [float(s) for s in scores.float().tolist()]
 
         return score(self.grader, samples, model_scores)
+
+
+def samples_of(tokenizer: PreTrainedTokenizerBase, rows: Sequence[dict[str, Any]], completions: list[str]) -> Samples:
+    """Completions of the dataset ``rows`` (one each) as graders take them, the prompt texts rendered as the policy
+    saw them (the chat template applied)."""
+    prompts = [row["prompt"] for row in rows]
+    seen = [p if isinstance(p, str) else render(tokenizer, p, add_generation_prompt=True) for p in prompts]
+    return Samples(prompts=prompts, prompt_texts=seen, completions=completions, rows=list(rows))
+
+
+def grader_scorer(
+    reward: RewardFunction, tokenizer: PreTrainedTokenizerBase, stop_token_id: int | None, record: list[RewardScores]
+) -> Scorer:
+    """PPO's scorer for a reward of graders: each rollout chunk's decoded responses scored by ``reward``, its
+    :class:`RewardScores` appended to ``record`` (for the per-component metrics)."""
+
+    def score(
+        rows: Sequence[dict[str, Any]], query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int
+    ) -> torch.Tensor:
+        texts, stopped = decode_responses(tokenizer, query_responses, attention_mask, P, stop_token_id)
+        scored = reward(samples_of(tokenizer, rows, texts), stopped)
+        record.append(scored)
+        return torch.tensor(scored.total, dtype=torch.float32, device=query_responses.device)
+
+    return score
+
+
+def merged(parts: Sequence[RewardScores]) -> RewardScores:
+    """The scores of several batches as one (each batch's components alike)."""
+    components: dict[str, list[float]] = {}
+    for part in parts:
+        for name, values in part.components.items():
+            components.setdefault(name, []).extend(values)
+    return RewardScores([value for part in parts for value in part.total], components)
+
+
+def gathered(scored: RewardScores, ranks: Ranks, device: torch.device) -> RewardScores:
+    """Every rank's scores of one batch, in rank order (each rank holding its share's)."""
+    if ranks.world_size == 1:
+        return scored
+    table = ranks.gather(torch.tensor([scored.total, *scored.components.values()], device=device).T)  # (N, 1 + C)
+    columns = table.T.tolist()
+    return RewardScores(columns[0], dict(zip(scored.components, columns[1:], strict=True)))
+
+
+def eval_metrics(scored: RewardScores) -> dict[str, float]:
+    """``eval/reward`` (the mean reward of the held-out samples) and ``eval/reward/<name>`` per component."""
+    if not scored.total:
+        return {}
+    metrics = reward_metrics(scored, prefix="eval/reward")
+    del metrics["eval/reward/std"]
+    metrics["eval/reward"] = metrics.pop("eval/reward/mean")
+    return metrics

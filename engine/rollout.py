@@ -6,6 +6,7 @@ Every forward here runs under ``torch.inference_mode()``; the training forwards 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -15,7 +16,6 @@ from engine.generate import sample
 from engine.models import ScalarHead, lm_logits
 from engine.ops import logprobs_from_logits, truncate_after_stop
 from engine.reward import score_texts, sequence_scores
-from engine.rows import Text
 
 
 @dataclass
@@ -69,9 +69,9 @@ def base_of(model: PreTrainedModel) -> AbstractContextManager[None]:
     return model.disable_adapter()  # type: ignore[operator]
 
 
-Scorer = Callable[[Sequence[Text], torch.Tensor, torch.Tensor, int], torch.Tensor]
-"""Reward-model scores of rollout rows: (their prompts, query_responses (b, P + T), attention_mask (b, P + T),
-P) -> (b,). See :func:`token_scorer` and :func:`text_scorer`."""
+Scorer = Callable[[Sequence[dict[str, Any]], torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""Scores of rollout rows: (their dataset rows, query_responses (b, P + T), attention_mask (b, P + T), P) -> (b,).
+See :func:`token_scorer`, :func:`text_scorer` and :func:`engine.rewards.grader_scorer`."""
 
 
 def token_scorer(reward_model: PreTrainedModel | None, value_model: PreTrainedModel) -> Scorer:
@@ -79,7 +79,7 @@ def token_scorer(reward_model: PreTrainedModel | None, value_model: PreTrainedMo
     critic's base with its LoRA adapters disabled, the critic having started as the reward model)."""
 
     def score(
-        prompts: Sequence[Text], query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int
+        rows: Sequence[dict[str, Any]], query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int
     ) -> torch.Tensor:
         with base_of(value_model) if reward_model is None else nullcontext():
             return sequence_scores(reward_model or value_model, query_responses, attention_mask)
@@ -96,14 +96,27 @@ def text_scorer(
     """Scores of the decoded responses, encoded anew by the reward model's own tokenizer (:func:`score_texts`)."""
 
     def score(
-        prompts: Sequence[Text], query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int
+        rows: Sequence[dict[str, Any]], query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int
     ) -> torch.Tensor:
-        responses = query_responses[:, P:].masked_fill(attention_mask[:, P:] == 0, policy_tokenizer.pad_token_id)
-        texts = policy_tokenizer.batch_decode(responses, skip_special_tokens=True)
-        stopped = ((responses == stop_token_id) & (attention_mask[:, P:] == 1)).any(1).tolist()
+        texts, stopped = decode_responses(policy_tokenizer, query_responses, attention_mask, P, stop_token_id)
+        prompts = [row["prompt"] for row in rows]
         return score_texts(reward_model, reward_tokenizer, prompts, texts, stopped, policy_tokenizer)
 
     return score
+
+
+def decode_responses(
+    tokenizer: PreTrainedTokenizerBase,
+    query_responses: torch.Tensor,
+    attention_mask: torch.Tensor,
+    P: int,
+    stop_token_id: int | None,
+) -> tuple[list[str], list[bool]]:
+    """The responses of rollout rows as text (special tokens dropped), and whether each ended with the stop token."""
+    responses = query_responses[:, P:].masked_fill(attention_mask[:, P:] == 0, tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    stopped = ((responses == stop_token_id) & (attention_mask[:, P:] == 1)).any(1).tolist()
+    return texts, stopped
 
 
 @torch.inference_mode()
@@ -112,7 +125,7 @@ def make_rollout(
     ref_policy: PreTrainedModel | None,
     value_model: PreTrainedModel,
     scorer: Scorer,
-    prompts: Sequence[Text],
+    rows: Sequence[dict[str, Any]],
     queries: torch.Tensor,
     query_mask: torch.Tensor,
     response_length: int,
@@ -123,7 +136,7 @@ def make_rollout(
     generator: torch.Generator,
     chunk_size: int,
 ) -> Rollout:
-    """Sample one response per query (B, P) of ``prompts`` and evaluate it with reference, critic and reward
+    """Sample one response per query (B, P) of the dataset ``rows`` and evaluate it with reference, critic and reward
     model (``scorer``) in chunks of ``chunk_size``. The policy's log-probabilities come from sampling itself.
 
     A ``None`` reference means: the policy's base, with its LoRA adapters disabled.
@@ -150,7 +163,7 @@ def make_rollout(
         with base_of(policy) if ref_policy is None else nullcontext():
             ref_logprobs.append(response_logprobs(ref_policy or policy, qr, am, P, temperature)[0])
         values.append(response_values(ScalarHead(value_model), qr, am, P))
-        scores.append(scorer(prompts[i : i + chunk_size], qr, am, P))
+        scores.append(scorer(rows[i : i + chunk_size], qr, am, P))
     return Rollout(
         query_responses=query_responses,
         attention_mask=attention_mask,

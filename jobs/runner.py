@@ -38,7 +38,7 @@ from engine.callbacks import Callbacks, StopRequest
 from engine.checkpoint import list_checkpoints
 from engine.config import JobSpec, format_errors
 from engine.data import DatasetError
-from engine.graders import RewardError, RewardFunctionError, RewardServiceError
+from engine.graders import RewardError, RewardFunctionError, RewardServiceError, model_refs, replace_models
 from engine.health import TrainingCollapseError
 from engine.hub import is_hub_id
 from engine.loop import NonFiniteLossError
@@ -464,16 +464,24 @@ def _downloaded(spec: JobSpec, settings: Settings, callbacks: DbCallbacks) -> Jo
         callbacks.renew()  # the job's status now, and the lease kept while nothing else runs
         return callbacks.should_stop()
 
+    graders = [grader for grader in (spec.reward, spec.eval_reward) if grader is not None]
+    wanted = [spec.model, spec.reward_model, *(ref for grader in graders for ref in model_refs(grader))]
     folders: dict[str, str] = {}
-    for field in ("model", "reward_model"):
-        ref = getattr(spec, field)
+    for ref in wanted:
         if ref is None or not is_hub_id(ref) or ref in folders:
             continue
         callbacks.on_event("info", f"downloading {ref} from the Hugging Face hub", {"model": ref})
         stall, timeout = settings.hub_stall_seconds, settings.hub_download_seconds
         folders[ref] = download(ref, stall_s=stall, timeout_s=timeout, check=check)
-    return spec.model_copy(update={f: folders[getattr(spec, f)] for f in ("model", "reward_model")
-                                   if getattr(spec, f) in folders})  # fmt: skip
+    if not folders:
+        return spec
+    data = spec.model_dump(mode="json")
+    for field in ("model", "reward_model"):
+        data[field] = folders.get(data[field], data[field])
+    for field in ("reward", "eval_reward"):
+        if data[field]:
+            data[field] = replace_models(data[field], lambda param, ref: folders.get(ref, ref), field)
+    return JobSpec.model_validate(data)
 
 
 def _failure(code: str, message: str) -> Ending:

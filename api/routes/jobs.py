@@ -106,6 +106,8 @@ def create_job(
             artifacts=settings.resolved_artifacts_dir,
             model_root=settings.model_root,
             hub_downloads=settings.hub_downloads,
+            reward_urls=settings.reward_urls,
+            reward_functions=settings.reward_functions,
         )
     except SpecReferenceError as e:
         raise ApiError(422, e.code, e.message, param=e.param) from None

@@ -16,6 +16,7 @@ What a spec may name on the server:
 """
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from engine.builtin import TINY_CONFIG, TINY_MODEL
 from engine.config import JOB_TYPES
+from engine.graders import check_allowed, parse_grader, replace_models
 from engine.hub import is_hub_id
 from engine.model_refs import ModelNotFoundError, chat_template_saved, context_saved, resolve_model_ref
 from engine.rows import dataset_kind
@@ -56,7 +58,7 @@ class SpecReferenceError(ValueError):
     code: str
     """``job_not_found``, ``job_not_succeeded``, ``checkpoint_not_found``, ``wrong_job_type``,
     ``file_not_found``, ``wrong_file_purpose``, ``local_path_refused``, ``hub_model_unavailable``,
-    ``chat_template_missing`` or ``exceeds_context``."""
+    ``chat_template_missing``, ``exceeds_context`` or ``reward_not_allowed``."""
     message: str
 
     def __str__(self) -> str:
@@ -68,16 +70,27 @@ def job_dir(artifacts: Path, job_id: str) -> Path:
 
 
 def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], artifacts: Path,
-                 model_root: Path | None, hub_downloads: bool = False) -> dict[str, Any]:  # fmt: skip
+                 model_root: Path | None, hub_downloads: bool = False, reward_urls: Sequence[str] = ("loopback",),
+                 reward_functions: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
     """A copy of ``spec`` with every service reference replaced by a path; raises SpecReferenceError.
-    ``model_root`` and ``hub_downloads`` are the settings of the same names."""
+    ``model_root``, ``hub_downloads``, ``reward_urls`` and ``reward_functions`` are the settings of the same
+    names."""
     resolved = {**spec, "hyperparameters": dict(spec.get("hyperparameters", {}))}
     job_type = spec["type"]
     resolved["model"] = _model(session, project_id, "model", spec["model"], model_sources(job_type), artifacts,
                                model_root, hub_downloads)  # fmt: skip
+
+    def reward_model(param: str, ref: str) -> str:
+        return _model(session, project_id, param, ref, reward_model_sources(), artifacts, model_root, hub_downloads)
+
     if spec.get("reward_model"):
-        resolved["reward_model"] = _model(session, project_id, "reward_model", spec["reward_model"],
-                                          reward_model_sources(), artifacts, model_root, hub_downloads)  # fmt: skip
+        resolved["reward_model"] = reward_model("reward_model", spec["reward_model"])
+    for field in ("reward", "eval_reward"):
+        if spec.get(field):
+            problems = check_allowed(parse_grader(spec[field]), reward_urls, reward_functions)
+            if problems:
+                raise SpecReferenceError(field, "reward_not_allowed", "; ".join(problems))
+            resolved[field] = replace_models(spec[field], reward_model, field)
     chat_fields: list[tuple[str, str]] = []  # (field, file) of the datasets holding chat rows
     for field in ("dataset", "eval_dataset"):
         if spec.get(field):
@@ -112,6 +125,8 @@ def resolve_stored(session: Session, job: Job, settings: Settings) -> dict[str, 
         artifacts=settings.resolved_artifacts_dir,
         model_root=settings.model_root,
         hub_downloads=settings.hub_downloads,
+        reward_urls=settings.reward_urls,
+        reward_functions=settings.reward_functions,
     )
 
 

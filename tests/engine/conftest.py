@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.config import JobSpec
 from tests.engine.helpers import EVAL_DATASETS, RM_FIXTURE_STEPS, Pretrained, make_spec, train
 
 
@@ -53,3 +54,22 @@ def sft_dir(pretrained: Pretrained) -> Path:
 @pytest.fixture(scope="session")
 def rm_dir(pretrained: Pretrained) -> Path:
     return pretrained.rm
+
+
+@pytest.fixture(scope="session")
+def digits_sft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model after SFT on the digits task's careless demonstrations (about a third of answers right):
+    GRPO and PPO with rule rewards start from it."""
+    out = tmp_path_factory.mktemp("digits") / "sft"
+    spec = JobSpec.model_validate(
+        {
+            "type": "sft",
+            "model": "builtin:tiny",
+            "dataset": "builtin:digits-sft",
+            "hyperparameters": {"max_steps": 500, "batch_size": 32, "learning_rate": 3e-3, "warmup_steps": 10},
+            "checkpoint_every": 1000,
+        }
+    )
+    result, _ = train(spec, out)
+    assert result.status == "succeeded"
+    return out

@@ -73,24 +73,6 @@ def grpo_spec(model: str | Path, *, hyperparameters: dict[str, Any] | None = Non
 
 
 @pytest.fixture(scope="module")
-def digits_sft(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model after SFT on the digits task's careless demonstrations (about a third of answers right)."""
-    out = tmp_path_factory.mktemp("digits") / "sft"
-    spec = JobSpec.model_validate(
-        {
-            "type": "sft",
-            "model": "builtin:tiny",
-            "dataset": "builtin:digits-sft",
-            "hyperparameters": {"max_steps": 500, "batch_size": 32, "learning_rate": 3e-3, "warmup_steps": 10},
-            "checkpoint_every": 1000,
-        }
-    )
-    result, _ = train(spec, out)
-    assert result.status == "succeeded"
-    return out
-
-
-@pytest.fixture(scope="module")
 def eval_prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rows = load_rows("builtin:digits-prompts-eval", "prompts")[:EVAL_PROMPTS]
     return write_jsonl(rows, tmp_path_factory.mktemp("digits-data") / "prompts-eval.jsonl")

@@ -1,0 +1,113 @@
+"""Reward objects in job specs at submit: the operator's allow-lists for reward services and reward functions
+(``RLHF_REWARD_URLS``, ``RLHF_REWARD_FUNCTIONS``), model graders naming jobs, and the spec's own rules."""
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from jobs.store.settings import Settings
+from tests.api.helpers import Calls, Db, error_of
+from tests.factories import Project
+
+GRPO_SPEC: dict[str, Any] = {"type": "grpo", "model": "builtin:tiny", "dataset": "builtin:digits-prompts"}
+RULE = {"type": "string_check", "input": "{{sample.output_text}}", "reference": "{{item.answer}}", "operation": "eq"}
+FUNCTION = "engine.builtin.digits:exact_match"
+
+
+def http(url: str) -> dict[str, Any]:
+    return {"type": "http", "url": url}
+
+
+def submit(client: TestClient, **fields: Any) -> Any:
+    return client.post("/v1/jobs", json={**GRPO_SPEC, **fields})
+
+
+def assert_refused(response: Any, code: str, param: str, *words: str) -> None:
+    assert response.status_code == 422, response.text
+    error = error_of(response)
+    assert (error["code"], error["param"]) == (code, param), error
+    for word in words:
+        assert word in error["message"], error["message"]
+
+
+def test_a_rule_and_a_loopback_service_are_accepted_by_default(client: TestClient, calls: Calls) -> None:
+    for reward in (RULE, http("http://127.0.0.1:8123/score"), http("http://localhost/score")):
+        response = submit(client, reward=reward, eval_reward=RULE)
+        assert response.status_code == 201, response.text
+        assert response.json()["spec"]["reward"]["type"] == reward["type"]
+    assert len(calls.enqueued) == 3
+
+
+@pytest.mark.parametrize(
+    "url", ["https://rewards.example.com/score", "http://127.0.0.1.evil.example/score", "http://10.0.0.8:8000/"]
+)
+def test_a_service_outside_the_allowed_list_is_refused(client: TestClient, calls: Calls, url: str) -> None:
+    assert_refused(submit(client, reward=http(url)), "reward_not_allowed", "reward", "not allowed")
+    assert_refused(submit(client, reward=RULE, eval_reward=http(url)), "reward_not_allowed", "eval_reward")
+    nested = {"type": "multi", "graders": {"rule": RULE, "judge": http(url)}, "weights": {"rule": 1, "judge": 1}}
+    assert_refused(submit(client, reward=nested), "reward_not_allowed", "reward", "'judge'")
+    assert calls.enqueued == []
+
+
+def test_reward_functions_need_the_operators_list(
+    client: TestClient, settings: Settings, project: Project, calls: Calls
+) -> None:
+    python = {"type": "python", "function": FUNCTION}
+    assert_refused(submit(client, reward=python), "reward_not_allowed", "reward", FUNCTION)
+    allowed = settings.model_copy(update={"reward_functions": [FUNCTION],
+                                          "reward_urls": ["https://rewards.example.com/v1/"]})  # fmt: skip
+    app = create_app(allowed, enqueue=calls.enqueue, recovery_interval=None)
+    with TestClient(app, headers=project.headers) as operator_client:
+        assert submit(operator_client, reward=python).status_code == 201
+        assert submit(operator_client, reward=http("https://rewards.example.com/v1/score")).status_code == 201
+        for url in ("https://rewards.example.com/v2/score", "https://rewards.example.com.evil/v1/", "http://127.0.0.1/"):
+            assert_refused(submit(operator_client, reward=http(url)), "reward_not_allowed", "reward")
+        other = {"type": "python", "function": "os:system"}
+        assert_refused(submit(operator_client, reward=other), "reward_not_allowed", "reward", "os:system")
+
+
+def test_model_graders_name_reward_model_jobs(client: TestClient, project: Project, db: Db) -> None:
+    rm = db.job(project.id, spec={"type": "rm", "model": "builtin:tiny", "dataset": "builtin:reviews-prefs"},
+                status="succeeded")  # fmt: skip
+    sft = db.job(project.id, spec={"type": "sft", "model": "builtin:tiny", "dataset": "builtin:reviews-sft"},
+                 status="succeeded")  # fmt: skip
+    graders = {"rule": RULE, "rm": {"type": "model", "model": f"job:{rm}"}}
+    reward = {"type": "multi", "graders": graders, "calculate_output": "rule + 0.1 * rm"}
+    assert submit(client, reward=reward).status_code == 201
+    wrong = {**reward, "graders": {**graders, "rm": {"type": "model", "model": f"job:{sft}"}}}
+    assert_refused(submit(client, reward=wrong), "wrong_job_type", "reward.graders.rm.model")
+    missing = {**reward, "graders": {**graders, "rm": {"type": "model", "model": "job:job_000000000000"}}}
+    assert_refused(submit(client, reward=missing), "job_not_found", "reward.graders.rm.model")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({}, "reward_model", "reward_model or reward is required"),
+        ({"reward": RULE, "reward_model": "builtin:tiny"}, "reward_model", "both given"),
+        ({"reward": {**RULE, "input": "{{ sample.text }}"}}, "reward", "sample.output_text"),
+        ({"reward": {"type": "multi", "graders": {"a": RULE}, "calculate_output": "__import__('os')"}}, "reward", ""),
+        ({"reward": {"type": "http", "url": "ftp://127.0.0.1/"}}, "reward", ""),
+    ],
+)
+def test_bad_rewards_are_refused_naming_the_field(
+    client: TestClient, fields: dict[str, Any], param: str, words: str
+) -> None:
+    response = submit(client, **fields)
+    assert response.status_code == 422, response.text
+    error = error_of(response)
+    assert error["code"] == "invalid_request"
+    assert error["param"].startswith(param), error
+    assert words in error["message"]
+
+
+def test_a_reward_is_refused_for_types_that_take_none(client: TestClient) -> None:
+    for job_type, dataset in (("sft", "builtin:digits-sft"), ("dpo", "builtin:reviews-prefs")):
+        response = client.post("/v1/jobs", json={"type": job_type, "model": "builtin:tiny", "dataset": dataset,
+                                                 "eval_reward": RULE})  # fmt: skip
+        assert response.status_code == 422, response.text
+        error = error_of(response)
+        assert (error["param"], error["code"]) == ("eval_reward", "invalid_request")
+        assert "eval_reward applies to ppo and grpo jobs only" in error["message"]
