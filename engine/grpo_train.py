@@ -112,9 +112,10 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
             state["rank_generators"] = ranks.gather_objects(generator.get_state())
         return state
 
-    def roll_out(batch_rows: list[dict[str, Any]], group: int, scorer: RewardFunction, gen: torch.Generator
-                 ) -> tuple[GroupRollout, RewardScores]:  # fmt: skip
-        return rollout(policy, ref_policy, tokenizer, batch_rows, group, scorer, cfg, stop_token_id, gen, device)
+    def roll_out(batch_rows: list[dict[str, Any]], group: int, scorer: RewardFunction, gen: torch.Generator,
+                 share: slice = slice(None)) -> tuple[GroupRollout, RewardScores]:  # fmt: skip
+        return rollout(policy, ref_policy, tokenizer, batch_rows, share, group, scorer, cfg, stop_token_id, gen,
+                       device)  # fmt: skip
 
     N = cfg.batch_size * G  # samples per step
     for step in range(start.step + 1, cfg.total_steps + 1):
@@ -122,7 +123,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         # 1. rollout: each rank samples its share of the batch's prompts group_size times and scores the samples;
         #    the samples of every rank are then gathered, group by group
         batch_rows = [rows[i] for i in batch_indices(len(rows), cfg.batch_size, spec.seed, step - 1)]
-        own, scored = roll_out(batch_rows[ranks.share(cfg.batch_size)], G, reward, generator)
+        own, scored = roll_out(batch_rows, G, reward, generator, ranks.share(cfg.batch_size))
         ex = gather_samples(own, ranks, tokenizer.pad_token_id)
         t_rollout = time.perf_counter() - t0
 
@@ -181,6 +182,7 @@ def rollout(
     ref_policy: PreTrainedModel | None,
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict[str, Any]],
+    share: slice,
     group_size: int,
     reward: RewardFunction,
     cfg: GRPOConfig,
@@ -188,10 +190,11 @@ def rollout(
     generator: torch.Generator,
     device: torch.device,
 ) -> tuple[GroupRollout, RewardScores]:
-    """``group_size`` samples of each row's prompt, their log-probs under the policy (from sampling) and the
-    reference, and their rewards."""
-    prompts = [row["prompt"] for row in rows]
-    queries, query_mask = (t.to(device) for t in encode_prompts(tokenizer, prompts, cfg.max_prompt_length))
+    """``group_size`` samples of the prompts of ``rows[share]`` (this process's share of a batch), their log-probs
+    under the policy (from sampling) and the reference, and their rewards. The whole batch's prompts are
+    encoded together, so that every process's samples have the same width."""
+    queries, query_mask = encode_prompts(tokenizer, [row["prompt"] for row in rows], cfg.max_prompt_length)
+    queries, query_mask, rows = queries[share].to(device), query_mask[share].to(device), rows[share]
     policy.eval()
     raw, raw_logprobs = sample(policy, queries, query_mask, cfg.response_length, cfg.temperature, top_k=cfg.top_k,
                                eos_token_id=stop_token_id, generator=generator, group_size=group_size)  # fmt: skip

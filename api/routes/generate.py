@@ -27,12 +27,13 @@ def _checkpoint_step(session: Session, project: Project, job_id: str, body: Gene
             f"job {job.id} trains a reward model: it scores text but does not "
             f"generate it; generate from a job of type {' or '.join(GENERATING_TYPES)}",
         )
-    if body.score and not JOB_TYPES[job.type].reward_model:
+    if body.score and not job.spec.get("reward_model"):
         scoring = " or ".join(name for name, info in JOB_TYPES.items() if info.reward_model)
         raise ApiError(
             422,
             "invalid_request",
-            f"job {job.id} is a {job.type} job; only {scoring} jobs have a reward model to score with",
+            f"job {job.id} ({job.type}) has no reward_model to score with; {scoring} jobs trained against a "
+            "reward_model have one",
             param="score",
         )
     step = None if body.checkpoint == "latest" else body.checkpoint

@@ -2,10 +2,7 @@
 sources giving the same curve (a rule, a Python function, an HTTP service on loopback), every estimator, exact
 resume, gradient accumulation, LoRA on a Llama with chat prompts, a reward model, and the reward faults."""
 
-import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +27,7 @@ from tests.engine.helpers import (
 )
 from tests.models import build_model, chat_rows, write_jsonl
 from tests.recorder import Recorder
+from tests.reward_service import RuleService
 
 GRPO_METRICS = (
     *COMMON_METRICS,
@@ -141,45 +139,6 @@ def test_grpo_raises_held_out_accuracy_on_the_digits_task(digits_sft: Path, eval
 
 
 # 3. ---------------------------------------------------------------------------------------------------------
-
-
-class RuleService:
-    """A reward service on loopback (OpenRLHF's protocol): 1.0 where the query ends with its label. ``fail_after``
-    requests, it answers 503 to every later one."""
-
-    def __init__(self, fail_after: int | None = None) -> None:
-        self.requests = 0
-        service = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                service.requests += 1
-                if fail_after is not None and service.requests > fail_after:
-                    self.send_response(503)
-                    self.end_headers()
-                    return
-                rewards = [
-                    float(query.removeprefix(prompt) == label)
-                    for query, prompt, label in zip(body["query"], body["prompts"], body["labels"], strict=True)
-                ]
-                data = json.dumps({"rewards": rewards}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

@@ -109,6 +109,37 @@ def test_dpo_in_two_processes_trains_as_one(tmp_path: Path) -> None:
     assert_same_weights(tmp_path / "two", tmp_path / "one", lr=1e-3)
 
 
+def test_grpo_in_two_processes_scores_every_group_and_keeps_the_ranks_in_step(tmp_path: Path) -> None:
+    """Each rank samples and scores its share of the prompts (its own sampling generator, so the samples are not
+    one process's); the groups are gathered whole, so advantages, rewards and tied groups are of the whole batch,
+    and every rank takes the same update (its weights stay equal to the others')."""
+    grpo = JobSpec.model_validate(
+        {
+            "type": "grpo",
+            "model": "builtin:tiny",
+            "dataset": "builtin:digits-prompts",
+            "reward": {"type": "python", "function": "engine.builtin.digits:exact_match"},
+            "hyperparameters": {
+                "total_steps": 4,
+                "batch_size": 4,
+                "group_size": 4,
+                "mini_batch_size": 8,
+                "gradient_accumulation_steps": 2,
+                "response_length": 4,
+            },
+            "checkpoint_every": 2,
+            "resources": {"num_processes": 2},
+        }
+    )
+    recorder = Recorder()
+    result = run_distributed(grpo, tmp_path / "two", recorder, 2)
+    assert (result.status, result.step, recorder.checkpoint_steps()) == ("succeeded", 4, [2, 4])
+    for step, metrics in recorder.metrics.items():
+        assert metrics["dist/weight_spread"] == 0, step
+        assert metrics["groups/tied_fraction"] * 4 == round(metrics["groups/tied_fraction"] * 4)  # of 4 groups
+        assert metrics["reward/mean"] * 16 == pytest.approx(round(metrics["reward/mean"] * 16))  # of 16 samples
+
+
 def test_a_failing_rank_fails_the_job_with_its_error_code(tmp_path: Path) -> None:
     broken = spec("sft", 2).model_copy(update={"dataset": str(tmp_path / "missing.jsonl")})
     with pytest.raises(RankFailure) as failure:

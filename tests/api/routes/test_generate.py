@@ -101,8 +101,14 @@ def test_what_a_job_type_cannot_do(client: TestClient, project: Project, db: Db,
     rm = db.job(project.id, spec=RM_SPEC, status="succeeded")
     for job_id in (sft, rm):
         db.checkpoint(job_id, 1)
-    scored = client.post(f"/v1/jobs/{sft}/generate", json={"prompts": ["a"], "score": True})
-    assert (scored.status_code, error_of(scored)["param"]) == (422, "score")
+    rule = {"type": "string_check", "input": "{{sample.output_text}}", "reference": "7", "operation": "eq"}
+    grpo = {"type": "grpo", "model": "builtin:tiny", "dataset": "builtin:digits-prompts", "reward": rule}
+    graded = db.job(project.id, status="succeeded", spec=grpo)
+    db.checkpoint(graded, 1)
+    for job_id in (sft, graded):  # neither has a reward model: an SFT job, a GRPO job rewarded by a rule
+        scored = client.post(f"/v1/jobs/{job_id}/generate", json={"prompts": ["a"], "score": True})
+        assert (scored.status_code, error_of(scored)["param"]) == (422, "score")
+        assert "no reward_model to score with" in error_of(scored)["message"]
     from_rm = client.post(f"/v1/jobs/{rm}/generate", json={"prompts": ["a"]})
     assert (from_rm.status_code, error_of(from_rm)["code"]) == (422, "wrong_job_type")
     assert calls.generated == []

@@ -62,7 +62,11 @@ def test_reward_functions_need_the_operators_list(
     with TestClient(app, headers=project.headers) as operator_client:
         assert submit(operator_client, reward=python).status_code == 201
         assert submit(operator_client, reward=http("https://rewards.example.com/v1/score")).status_code == 201
-        for url in ("https://rewards.example.com/v2/score", "https://rewards.example.com.evil/v1/", "http://127.0.0.1/"):
+        for url in (
+            "https://rewards.example.com/v2/score",
+            "https://rewards.example.com.evil/v1/",
+            "http://127.0.0.1/",
+        ):
             assert_refused(submit(operator_client, reward=http(url)), "reward_not_allowed", "reward")
         other = {"type": "python", "function": "os:system"}
         assert_refused(submit(operator_client, reward=other), "reward_not_allowed", "reward", "os:system")
