@@ -30,7 +30,7 @@ from engine.generate import sample
 from engine.graders import RewardScores, reward_metrics
 from engine.grpo import aggregate, clipped_surrogate, tied_groups, token_advantages
 from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything
-from engine.models import check_fits, load_causal_lm, prepare
+from engine.models import check_fits, frozen, load_causal_lm, prepare
 from engine.ops import truncate_after_stop
 from engine.ppo import kl_per_token
 from engine.rewards import RewardFunction, eval_metrics, samples_of
@@ -60,12 +60,6 @@ class GroupRollout:
     """The reward of each sample: (N,)."""
     components: torch.Tensor
     """Every named grader's score of each sample: (N, C), C in the order of the reward's components."""
-
-
-def frozen(model: PreTrainedModel) -> PreTrainedModel:
-    model.eval()
-    model.requires_grad_(False)
-    return model
 
 
 def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:

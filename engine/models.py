@@ -149,6 +149,13 @@ def prepare(model: PreTrainedModel, device: torch.device, dtype: str, gradient_c
     return model
 
 
+def frozen(model: PreTrainedModel) -> PreTrainedModel:
+    """``model`` in eval mode without gradients: a reference or reward model that is never trained."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
 def fuse_activations(model: torch.nn.Module) -> None:
     """Swap ``gelu_new`` (GPT-2's GELU, written as eight element-wise torch ops) for ``F.gelu(approximate="tanh")``.
 

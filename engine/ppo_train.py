@@ -26,7 +26,7 @@ from engine.distributed import Ranks
 from engine.graders import ModelGrader, RewardScores, reward_metrics
 from engine.health import CollapseMonitor, TrainingCollapseError
 from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything
-from engine.models import ScalarHead, check_fits, load_causal_lm, load_scalar_model, load_tokenizer, prepare
+from engine.models import ScalarHead, check_fits, frozen, load_causal_lm, load_scalar_model, load_tokenizer, prepare
 from engine.ops import entropy_from_logits, masked_mean, masked_whiten
 from engine.ppo import (
     AdaptiveKLController,
@@ -72,12 +72,6 @@ class Experience:
     """GAE advantages, whitened over the valid tokens with ``whiten_advantages``: (B, T)."""
     returns: torch.Tensor
     """The critic's targets: (B, T)."""
-
-
-def frozen(model: PreTrainedModel) -> PreTrainedModel:
-    model.eval()
-    model.requires_grad_(False)
-    return model
 
 
 def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:

@@ -10,7 +10,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from engine.data import render
 from engine.distributed import Ranks
 from engine.graders import Grader, ModelGrader, RewardScores, Samples, iter_graders, reward_metrics, score
-from engine.models import load_scalar_model, load_tokenizer, prepare
+from engine.models import frozen, load_scalar_model, load_tokenizer, prepare
 from engine.reward import score_texts
 from engine.rollout import Scorer, decode_responses
 
@@ -28,9 +28,7 @@ class RewardFunction:
         for _, leaf in iter_graders(grader):
             if isinstance(leaf, ModelGrader) and leaf.model not in self.models:
                 tokenizer = load_tokenizer(leaf.model)
-                model = prepare(load_scalar_model(leaf.model, tokenizer, 0), device, dtype, False)
-                model.eval()
-                model.requires_grad_(False)
+                model = frozen(prepare(load_scalar_model(leaf.model, tokenizer, 0), device, dtype, False))
                 self.models[leaf.model] = (model, tokenizer)
 
     def __call__(self, samples: Samples, stopped: Sequence[bool]) -> RewardScores:

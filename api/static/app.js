@@ -439,6 +439,8 @@
         h('span', { class: 'mono' }, job.id),
         h('span', {}, 'model ', h('code', {}, job.model)),
         spec.reward_model ? h('span', {}, 'reward model ', h('code', {}, spec.reward_model)) : null,
+        spec.reward ? graderSummary('reward', 'job-reward', spec.reward) : null,
+        spec.eval_reward ? graderSummary('eval reward', 'job-eval-reward', spec.eval_reward) : null,
         h('span', {}, 'dataset ', h('code', {}, spec.dataset || '')),
         h('span', {}, 'step ', stepText),
         h('span', { title: job.created_at }, `created ${new Date(job.created_at).toLocaleString()}`)),
@@ -601,6 +603,14 @@
     });
   }
 
+  // A reward grader of a spec in a line: its type and name (a multi grader: its components' keys); the whole
+  // grader on hover.
+  function graderSummary(label, id, grader) {
+    const names = grader.type === 'multi' ? `(${Object.keys(grader.graders || {}).join(', ')})` : grader.name;
+    return h('span', { id, title: JSON.stringify(grader, null, 2) },
+      `${label} `, h('code', {}, grader.type), names ? ` ${names}` : null);
+  }
+
   async function loadEvents(jobId, signal) {
     const events = [];
     let after = 0;
@@ -615,6 +625,7 @@
 
   // "Try it": sample prompts from one checkpoint (or two, side by side), optionally scored by the job's reward
   // model. `info` is the job's type (undefined if the types could not be loaded: then the server decides).
+  // A job rewarded by graders (spec.reward) has no reward model to score with: the server refuses `score` then.
   function tryItBox(job, info) {
     if (info && !info.generates) {
       return {
@@ -624,7 +635,7 @@
         setCheckpoints() {},
       };
     }
-    const scores = Boolean(info && info.reward_model); // the job has a reward model to score with
+    const scores = Boolean(job.spec && job.spec.reward_model); // the job has a reward model to score with
     const prompts = h('textarea', { id: 'try-prompts', rows: 3, placeholder: 'One prompt per line' },
       'i went to see the film and honestly it was\ni streamed the comedy and overall it was');
     const checkpoint = h('select', { id: 'try-checkpoint' }, h('option', { value: 'latest' }, 'latest'));
@@ -701,9 +712,25 @@
 
   // --- the new-job form -----------------------------------------------------------------------------------------
 
-  // Built from the job types: the type select lists them; the chosen one gives the example hyperparameters, the
-  // built-in datasets, the uploaded files of its dataset kind, the jobs its model and reward model may name, and
-  // whether it takes a reward model at all.
+  // A field of the spec that cannot be read, named by its param (shown next to the field, as a 422's param is).
+  class SpecFieldError extends Error {
+    constructor(param, message) {
+      super(`${param}: ${message}`);
+      this.param = param;
+    }
+  }
+
+  // The JSON object typed into a field of the form; a SpecFieldError if it is not one.
+  function jsonObject(param, text) {
+    let value;
+    try { value = JSON.parse(text); } catch (e) { throw new SpecFieldError(param, `not valid JSON (${e.message})`); }
+    if (value === null || typeof value !== 'object' || Array.isArray(value)) throw new SpecFieldError(param, 'must be a JSON object');
+    return value;
+  }
+
+  // Built from the job types: the type select lists them; the chosen one gives the example hyperparameters and
+  // reward, the built-in datasets, the uploaded files of its dataset kind, the jobs its model and reward model may
+  // name, and whether it takes a reward at all (a reward model, or a reward grader: one of the two).
   async function renderNewJob() {
     const controller = new AbortController();
     state.cleanup.push(() => controller.abort());
@@ -725,7 +752,13 @@
     const modelPick = h('select', { id: 'model-pick' });
     const model = h('input', { id: 'model', type: 'text', value: 'builtin:tiny', spellcheck: false });
     const rewardPick = h('select', { id: 'reward-pick' });
-    const reward = h('input', { id: 'reward-model', type: 'text', spellcheck: false });
+    const rewardModel = h('input', { id: 'reward-model', type: 'text', spellcheck: false });
+    // Graders in OpenAI's grader JSON (engine/graders.py): the reward instead of a reward model, and what scores
+    // the eval dataset's samples.
+    const reward = h('textarea', { id: 'reward', rows: 6, spellcheck: false, placeholder: 'none: the reward model above' });
+    const rewardNote = h('p', { id: 'reward-error', class: 'error small', role: 'alert', hidden: true });
+    const evalReward = h('textarea', { id: 'eval-reward', rows: 3, spellcheck: false, placeholder: 'none: the reward' });
+    const evalRewardNote = h('p', { id: 'eval-reward-error', class: 'error small', role: 'alert', hidden: true });
     const dataset = h('select', { id: 'dataset' });
     const evalDataset = h('select', { id: 'eval-dataset' });
     const upload = h('input', { id: 'upload-file', type: 'file', accept: '.jsonl,application/jsonl,text/plain' });
@@ -739,14 +772,19 @@
     const preview = h('pre', { id: 'spec-preview', class: 'preview' });
     const submit = h('button', { type: 'submit', id: 'create' }, 'Create job');
     const formError = h('p', { id: 'form-error', class: 'error', role: 'alert', hidden: true });
-    const rewardRow = h('div', { class: 'field' }, h('label', { for: 'reward-model' }, 'Reward model'),
-      h('div', { class: 'pick' }, rewardPick, reward));
+    const field = (label, id, ...control) => h('div', { class: 'field' }, h('label', { for: id }, label), ...control);
+    const rewardRows = [
+      field('Reward model', 'reward-model', h('div', { class: 'pick' }, rewardPick, rewardModel)),
+      field('Reward (grader JSON)', 'reward', reward, rewardNote),
+      field('Eval reward (grader JSON, optional)', 'eval-reward', evalReward, evalRewardNote),
+    ];
 
     const info = () => types.get(type.value); // the chosen type
     const outputOf = (j) => (types.get(j.type) || {}).output;
     let jobs = [];
     let files = [];
     let lastDefault = '';
+    let lastRewardDefault = '';
     let idempotencyKey = randomKey();
     let previewText = '';
 
@@ -783,12 +821,17 @@
     }
 
     function onType() {
-      const { summary, reward_model: takesRewardModel, example } = info();
+      const { summary, reward_model: takesReward, example } = info();
       typeSummary.textContent = summary;
-      rewardRow.hidden = !takesRewardModel;
+      for (const row of rewardRows) row.hidden = !takesReward;
       const hyperparameters = JSON.stringify(example.hyperparameters || {}, null, 2);
       if (!hyper.value.trim() || hyper.value === lastDefault) hyper.value = hyperparameters;
       lastDefault = hyperparameters;
+      // The example's reward, if it has one, instead of a reward model (the server takes one of the two).
+      const exampleReward = example.reward ? JSON.stringify(example.reward, null, 2) : '';
+      if (!reward.value.trim() || reward.value === lastRewardDefault) reward.value = exampleReward;
+      lastRewardDefault = exampleReward;
+      if (example.reward) { rewardPick.value = ''; rewardModel.value = ''; }
       fillModelPickers();
       fillDatasets();
       // A built-in dataset is the type's own: it becomes the example's (an uploaded file that fits is kept).
@@ -806,21 +849,38 @@
       spec.model = model.value.trim();
       spec.dataset = dataset.value;
       if (evalDataset.value) spec.eval_dataset = evalDataset.value;
-      if (info().reward_model && reward.value.trim()) spec.reward_model = reward.value.trim();
-      let hp;
-      try { hp = JSON.parse(hyper.value || '{}'); } catch (e) { throw new Error(`hyperparameters: not valid JSON (${e.message})`); }
-      if (hp === null || typeof hp !== 'object' || Array.isArray(hp)) throw new Error('hyperparameters: must be a JSON object');
-      spec.hyperparameters = hp;
+      if (info().reward_model) {
+        if (rewardModel.value.trim()) spec.reward_model = rewardModel.value.trim();
+        if (reward.value.trim()) spec.reward = jsonObject('reward', reward.value);
+        if (evalReward.value.trim()) spec.eval_reward = jsonObject('eval_reward', evalReward.value);
+      }
+      spec.hyperparameters = jsonObject('hyperparameters', hyper.value || '{}');
       spec.seed = seed.value === '' ? 0 : Number(seed.value);
       if (checkpointEvery.value !== '') spec.checkpoint_every = Number(checkpointEvery.value);
-      let more;
-      try { more = JSON.parse(extra.value || '{}'); } catch (e) { throw new Error(`more fields: not valid JSON (${e.message})`); }
-      if (more === null || typeof more !== 'object' || Array.isArray(more)) throw new Error('more fields: must be a JSON object');
-      return { ...spec, ...more };
+      return { ...spec, ...jsonObject('more fields', extra.value || '{}') };
+    }
+
+    // A problem with the field `param` names (a 422's, or one found here): marked on the field (on "more fields"
+    // when the form has none for it), and told next to it where it has a note. Returns the field.
+    const FIELD_OF = {
+      type, name, model, dataset, eval_dataset: evalDataset, reward_model: rewardModel, reward, eval_reward: evalReward,
+      hyperparameters: hyper, seed, checkpoint_every: checkpointEvery,
+    };
+    const NOTE_OF = { reward: rewardNote, eval_reward: evalRewardNote };
+    function markField(param, message) {
+      const top = param.split(/[.[]/)[0];
+      const el = FIELD_OF[top] || extra;
+      el.classList.add('invalid');
+      if (NOTE_OF[top]) {
+        NOTE_OF[top].hidden = false;
+        NOTE_OF[top].textContent = message;
+      }
+      return el;
     }
 
     function updatePreview() {
       for (const el of document.querySelectorAll('.invalid')) el.classList.remove('invalid');
+      for (const note of Object.values(NOTE_OF)) note.hidden = true;
       try {
         const text = JSON.stringify(buildSpec(), null, 2);
         if (text !== previewText) idempotencyKey = randomKey(); // a changed spec is a new job
@@ -832,6 +892,7 @@
         preview.textContent = e.message;
         preview.classList.add('bad');
         submit.disabled = true;
+        if (e instanceof SpecFieldError) markField(e.param, e.message);
       }
     }
 
@@ -859,15 +920,18 @@
       }
     }
 
-    const FIELD_OF = {
-      type, name, model, dataset, eval_dataset: evalDataset, reward_model: reward, hyperparameters: hyper, seed,
-      checkpoint_every: checkpointEvery,
-    };
     async function create(event) {
       event.preventDefault();
       formError.hidden = true;
       let spec;
-      try { spec = buildSpec(); } catch (e) { formError.hidden = false; formError.textContent = e.message; return; }
+      try {
+        spec = buildSpec();
+      } catch (e) {
+        formError.hidden = false;
+        formError.textContent = e.message;
+        if (e instanceof SpecFieldError) markField(e.param, e.message).focus();
+        return;
+      }
       submit.disabled = true;
       try {
         const response = await fetch('/v1/jobs', {
@@ -882,8 +946,7 @@
           formError.hidden = false;
           fill(formError, h('strong', {}, `Rejected (${response.status} ${err.code || ''}): `), err.message,
             err.param ? h('span', { class: 'param' }, ' — param: ', h('code', { id: 'error-param' }, err.param)) : null);
-          const field = err.param && FIELD_OF[err.param.split(/[.[]/)[0]];
-          if (field) { field.classList.add('invalid'); field.focus(); } else if (err.param) extra.classList.add('invalid');
+          if (err.param) markField(err.param, `${err.param}: ${err.message}${err.code ? ` (${err.code})` : ''}`).focus();
           return;
         }
         location.hash = `#/jobs/${data.id}`;
@@ -895,7 +958,6 @@
       }
     }
 
-    const field = (label, id, ...control) => h('div', { class: 'field' }, h('label', { for: id }, label), ...control);
     setView('new',
       heading,
       h('div', { class: 'columns' },
@@ -903,7 +965,7 @@
           field('Type', 'job-type', type, typeSummary),
           field('Name', 'job-name', name),
           field('Model', 'model', h('div', { class: 'pick' }, modelPick, model)),
-          rewardRow,
+          rewardRows,
           field('Dataset', 'dataset', dataset,
             h('div', { class: 'upload' }, upload, uploadButton, uploadStatus)),
           field('Eval dataset', 'eval-dataset', evalDataset),
@@ -916,7 +978,7 @@
 
     type.addEventListener('change', onType);
     modelPick.addEventListener('change', () => { if (modelPick.value) model.value = modelPick.value; updatePreview(); });
-    rewardPick.addEventListener('change', () => { if (rewardPick.value) reward.value = rewardPick.value; updatePreview(); });
+    rewardPick.addEventListener('change', () => { if (rewardPick.value) rewardModel.value = rewardPick.value; updatePreview(); });
     uploadButton.addEventListener('click', doUpload);
     onType();
 

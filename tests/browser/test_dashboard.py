@@ -1,8 +1,9 @@
 """The web dashboard in a real headless browser (Debian's chromium, driven by Playwright) against a real
 ``rlhf serve``: sign in, create a PPO job through the form (after a 422 that names its field), watch its charts
-grow from the live stream, pause it, and sample it with the "try it" box. Everything that differs by job type
-(the form's types, datasets, model pickers and reward-model row, a job's charts) comes from ``GET /v1/job_types``:
-a type the server adds is offered with no change to the dashboard.
+grow from the live stream, pause it, and sample it with the "try it" box; create a GRPO job rewarded by a grader
+(``reward``) instead of a reward model. Everything that differs by job type (the form's types, datasets, model
+pickers, reward rows and example reward, a job's charts) comes from ``GET /v1/job_types``: a type the server adds
+is offered with no change to the dashboard.
 
 Outside CI the test skips when chromium or Playwright is missing; under ``CI=true`` it fails instead (.ci/run
 installs chromium). ``RLHF_SCREENSHOT=docs/dashboard.png`` also writes the job page's screenshot there.
@@ -25,7 +26,7 @@ from jobs.demo import embedded_server
 from jobs.store import crud
 from jobs.store.db import session_scope
 from tests.services import unavailable
-from tests.test_e2e import free_port, wait_for
+from tests.test_e2e import finished, free_port, wait_for
 
 CHROMIUM_ARGS = [
     "--headless",
@@ -340,5 +341,66 @@ def test_the_form_offers_a_type_the_server_adds(browser: Any, server: tuple[Clie
     assert json.loads(page.inner_text("#spec-preview")) == {
         "type": "fake-dpo", "model": "builtin:tiny", "dataset": uploaded, "hyperparameters": example, "seed": 0,
     }  # fmt: skip
+    page.close()
+    assert not problems, problems
+
+
+def test_the_form_takes_a_reward_grader(browser: Any, server: tuple[Client, str, Path]) -> None:
+    """A grpo job from the form: the reward box starts from the type's example (a string_check grader) and no
+    reward model is picked; JSON that does not parse is told next to the box and sends nothing; a reward service
+    outside the operator's list is the server's 422, told next to the box; the job page shows the reward, and its
+    "try it" offers no scores (a job rewarded by graders has no reward model to score with)."""
+    c, key, _ = server
+    example = {t["name"]: t for t in c.request("GET", "/v1/job_types")["data"]}["grpo"]["example"]
+
+    def job_ids() -> set[str]:
+        return {j["id"] for j in c.request("GET", "/v1/jobs", params={"limit": 100})["data"]}
+
+    page = browser.new_page(viewport={"width": 1360, "height": 1000})
+    page.set_default_timeout(TIMEOUT_MS)
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" and _unexpected(m.text) else None)
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    sign_in(page, c.url, key)
+    page.click('a[href="#/new"] >> nth=0')
+    page.wait_for_selector("#job-type")
+    page.select_option("#job-type", "ppo")
+    assert page.input_value("#reward") == ""  # ppo's example has no reward (the demo gives it a reward model)
+    page.select_option("#job-type", "grpo")
+    assert json.loads(page.input_value("#reward")) == example["reward"]
+    assert [page.input_value(f) for f in ("#reward-pick", "#reward-model", "#eval-reward")] == ["", "", ""]
+    page.select_option("#eval-dataset", "")  # no eval: the job stays small
+    before = job_ids()
+
+    page.fill("#reward", '{"type": "string_check",')
+    page.wait_for_selector("#reward-error:not([hidden])")
+    assert page.inner_text("#reward-error").startswith("reward: not valid JSON")
+    page.click("#create", force=True)  # refused: the button is disabled while the spec does not parse
+    assert not page.is_enabled("#create")
+
+    page.fill("#reward", json.dumps({"type": "http", "url": "https://rewards.example.com/score"}))
+    page.click("#create")
+    page.wait_for_selector("#reward-error:not([hidden])")
+    assert page.inner_text("#error-param") == "reward"
+    assert "(reward_not_allowed)" in page.inner_text("#reward-error")
+    assert "invalid" in (page.get_attribute("#reward", "class") or "")
+    assert job_ids() == before
+
+    page.fill("#reward", json.dumps(example["reward"], indent=2))
+    shown = json.loads(page.inner_text("#spec-preview"))
+    assert shown["reward"] == example["reward"] and "reward_model" not in shown
+    page.click("#create")
+    page.wait_for_url("**/#/jobs/job_*")
+    grpo_id = page.url.rsplit("/", 1)[-1]
+    try:
+        spec = c.get_job(grpo_id)["spec"]
+        assert spec["reward"]["type"] == "string_check" and spec.get("reward_model") is None, spec
+        page.wait_for_selector("#try-it")
+        assert page.inner_text("#job-reward") == f"reward string_check {example['reward']['name']}"
+        assert page.locator("#try-score").count() == 0
+    finally:  # the worker is free for what comes next
+        if not finished(c.get_job(grpo_id)):
+            c.request("POST", f"/v1/jobs/{grpo_id}/cancel")
+        wait_for(c, grpo_id, finished)
     page.close()
     assert not problems, problems

@@ -1,5 +1,6 @@
 """The README's main command end to end: the built-in pipelines really improve the policy. SFT → RM → PPO, then
-SFT → DPO in the same folder (the SFT stage is found finished and reused)."""
+SFT → DPO in the same folder (the SFT stage is found finished and reused), then SFT → GRPO on the digits task
+in the same folder too (its SFT stage is a folder of its own)."""
 
 from pathlib import Path
 
@@ -31,3 +32,12 @@ def test_dpo_pipeline_makes_the_policy_positive_without_a_reward_model(demo_dir:
     assert report.trained.success >= report.sft.success + 0.25
     assert report.sft.kl == 0.0 and report.trained.kl > 0.0
     assert "DPO" in report.table() and "reward model score" not in report.table()
+
+
+def test_grpo_pipeline_raises_the_held_out_accuracy_by_the_rule(demo_dir: Path) -> None:
+    report = run_demo(demo_dir, train, "grpo")
+    assert (demo_dir / "sft-digits").is_dir() and report.task == "digits"
+    assert report.rm_eval_accuracy is None and report.trained.score is None
+    assert report.trained.success >= report.sft.success + 0.3
+    assert report.sft.kl == 0.0 and report.trained.kl > 0.0
+    assert "accuracy (rule)" in report.table() and "GRPO" in report.table()
