@@ -29,8 +29,11 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 COMPOSE_FILE = DOCKER / "compose.yaml"
 ENV_EXAMPLE = DOCKER / ".env.example"
-TRAIN_ONLY = {"torch", "transformers", "tokenizers", "safetensors", "numpy", "peft"}
-"""What only training and generation import: the `train` extra, never in the API image."""
+TRAIN_ONLY = {
+    "torch", "transformers", "tokenizers", "safetensors", "numpy", "peft", "rapidfuzz", "sacrebleu", "rouge-score"
+}  # fmt: skip
+"""What only training and generation import (the text-similarity graders' libraries among them, imported when a
+grader scores): the `train` extra, never in the API image."""
 RLHF_SERVICES = ("migrate", "api", "train-worker", "inference-worker")
 
 

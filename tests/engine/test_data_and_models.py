@@ -132,12 +132,27 @@ def test_load_rows_errors(tmp_path):
 
 
 def test_builtin_datasets_are_deterministic_and_well_formed():
+    # the digits prompts: every (triple, position) of 800 training triples and of 200 held-out ones
+    sizes = {"digits-prompts": 2400, "digits-prompts-eval": 600}
     for name, (kind, _) in builtin.DATASETS.items():
         rows = load_rows(f"builtin:{name}", kind)
         assert rows == load_rows(f"builtin:{name}", kind)
-        assert len(rows) in (4000, 400)
+        assert len(rows) == sizes.get(name, 400 if name.endswith("-eval") else 4000), name
         for row in rows[:50]:
             assert all(isinstance(v, str) and v for v in row.values())
+
+
+def test_the_digits_tasks_held_out_triples_are_never_trained_on():
+    def triples(name: str, field: str) -> set[str]:
+        kind = builtin.DATASETS[name][0]
+        return {row[field].split(" :")[0] for row in load_rows(f"builtin:{name}", kind)}
+
+    train = triples("digits-prompts", "prompt") | triples("digits-sft", "prompt")
+    held_out = triples("digits-prompts-eval", "prompt") | triples("digits-sft-eval", "prompt")
+    assert len(held_out) == 200 and not train & held_out
+    for row in load_rows("builtin:digits-prompts", "prompts")[:50]:
+        digits_, position = row["prompt"].removesuffix(" =").split(" : ")
+        assert row["answer"] == digits_.split()[{"first": 0, "middle": 1, "last": 2}[position]]
 
 
 # --- SFT encoding ---------------------------------------------------------------------------------
