@@ -52,7 +52,9 @@ JobType = Annotated[
     str, _one_of(list(JOB_TYPES), "job type"), WithJsonSchema({"type": "string", "enum": list(JOB_TYPES)})
 ]
 """A name of :data:`engine.config.JOB_TYPES`."""
-JobStatus = Literal["queued", "running", "cancelling", "cancelled", "pausing", "paused", "succeeded", "failed"]
+JobStatus = Literal[
+    "waiting", "queued", "running", "cancelling", "cancelled", "pausing", "paused", "succeeded", "failed"
+]
 
 
 # --- files -------------------------------------------------------------------------------------

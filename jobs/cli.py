@@ -1,7 +1,8 @@
 """The ``rlhf`` command: its arguments, and which module runs each command.
 
 Server:  rlhf serve | rlhf api | rlhf worker --queues train | rlhf db upgrade | rlhf keys create
-Client:  rlhf submit SPEC | rlhf jobs list|get|cancel|pause|resume | rlhf logs JOB --follow | rlhf generate JOB PROMPT
+Client:  rlhf submit SPEC|PIPELINE | rlhf jobs list|get|cancel|pause|resume | rlhf logs JOB --follow
+         rlhf generate JOB PROMPT
 Local:   rlhf train SPEC --out DIR | rlhf generate --model DIR --prompt TEXT | rlhf demo [--local]
 
 The processes of ``rlhf serve`` are supervised by jobs/supervisor.py, the database and keys prepared by
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--project", default="default", help="project name; a new name creates a new project")
     p.set_defaults(func=cmd_keys_create)
 
-    p = client_args(sub.add_parser("submit", help="submit a job spec to the server"))
+    p = client_args(sub.add_parser("submit", help="submit a job spec, or a pipeline file of several, to the server"))
     p.add_argument("spec", type=Path)
     p.add_argument("--idempotency-key")
     p.add_argument("--follow", action="store_true", help="then show its progress until it ends")

@@ -79,6 +79,12 @@ class Client:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return self.request("POST", "/v1/jobs", json=spec, headers=headers)
 
+    def create_pipeline(self, stages: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
+        """``POST /v1/pipelines``: the stages' jobs, by stage name."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        jobs: dict[str, Any] = self.request("POST", "/v1/pipelines", json={"stages": stages}, headers=headers)["stages"]
+        return jobs
+
     def get_job(self, job_id: str) -> dict[str, Any]:
         return self.request("GET", f"/v1/jobs/{job_id}")
 
@@ -166,12 +172,23 @@ def client_for(args: argparse.Namespace) -> Client:
 
 
 def cmd_submit(args: argparse.Namespace) -> None:
+    """A job spec, or a pipeline file (``{"stages": {name: spec, ...}}``, later stages naming earlier ones as
+    ``stage:<name>``) submitted whole in one request."""
     spec = engine_cli.read_spec(args.spec)
+    c = client_for(args)
+    if "stages" in spec and "type" not in spec:
+        jobs = c.create_pipeline(spec["stages"], args.idempotency_key)
+        for name, job in jobs.items():
+            print(f"{name}: {job['id']} {job['status']}")
+        if args.follow:
+            for name, job in jobs.items():
+                follow(c, job["id"], name)
+        return
     engine_cli.parse_spec(spec, str(args.spec))  # the same validation the server does, before any upload
-    job = client_for(args).create_job(spec, args.idempotency_key)
+    job = c.create_job(spec, args.idempotency_key)
     print(json.dumps(job))
     if args.follow:
-        follow(client_for(args), job["id"])
+        follow(c, job["id"])
 
 
 def cmd_jobs(args: argparse.Namespace) -> None:

@@ -1,6 +1,7 @@
-"""The demo through the HTTP API: start the embedded server, upload the built-in data as files, train
-SFT → RM → PPO (or SFT → another method, ``--method dpo`` or ``grpo``) chained by ``job:`` references with live
-progress, then sample both policies through the generate endpoint and judge them with the task's rule.
+"""The demo through the HTTP API: start the embedded server, upload the built-in data as files, submit
+SFT → RM → PPO (or SFT → another method, ``--method dpo`` or ``grpo``) as one pipeline (``POST /v1/pipelines``,
+later stages naming earlier ones) and show each stage's live progress, then sample both policies through the
+generate endpoint and judge them with the task's rule.
 """
 
 import hashlib
@@ -77,13 +78,16 @@ def upload_builtin(c: Client, folder: Path) -> dict[str, str]:
     return ids
 
 
-def run_stage(c: Client, stage: str, spec: dict[str, Any]) -> dict[str, Any]:
-    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-    job = c.create_job(spec, idempotency_key=f"demo-{stage}-{digest}")  # a rerun finds the finished job
-    job = follow(c, job["id"], stage)
-    if job["status"] != "succeeded":
-        raise SystemExit(f"{stage} job {job['id']} ended {job['status']}: {job.get('error')}")
-    return job
+def run_pipeline(c: Client, stages: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Submit the stages in one request (``POST /v1/pipelines``), then follow each until it ends; every job by
+    stage. A rerun of the same stages finds the same jobs (an idempotency key of their content)."""
+    digest = hashlib.sha256(json.dumps(stages, sort_keys=True).encode()).hexdigest()[:16]
+    jobs = c.create_pipeline(stages, idempotency_key=f"demo-{digest}")
+    for stage, job in jobs.items():
+        jobs[stage] = follow(c, job["id"], stage)
+        if jobs[stage]["status"] != "succeeded":
+            raise SystemExit(f"{stage} job {job['id']} ended {jobs[stage]['status']}: {jobs[stage].get('error')}")
+    return jobs
 
 
 def sample(c: Client, job_id: str, prompts: list[str], score: bool) -> list[dict[str, Any]]:
@@ -104,16 +108,17 @@ def run_http_demo(data_dir: Path, port: int, method: str = "ppo") -> None:
     started = time.perf_counter()
     with embedded_server(data_dir.resolve(), port) as c:
         files = upload_builtin(c, data_dir / "datasets")
-        jobs: dict[str, dict[str, Any]] = {}
+        stages: dict[str, dict[str, Any]] = {}
+        sft = sft_stage(method)
         for stage, spec in demo_specs(Path("unused"), method).items():
             spec = {**spec, "dataset": files[spec["dataset"].removeprefix("builtin:")]}
             if "eval_dataset" in spec:
                 spec["eval_dataset"] = files[spec["eval_dataset"].removeprefix("builtin:")]
-            sft = sft_stage(method)
-            spec["model"] = "builtin:tiny" if stage == sft else f"job:{jobs[sft]['id']}"
+            spec["model"] = "builtin:tiny" if stage == sft else f"stage:{sft}"  # later stages wait for the SFT
             if "reward_model" in spec:
-                spec["reward_model"] = f"job:{jobs['rm']['id']}"
-            jobs[stage] = run_stage(c, stage, spec)
+                spec["reward_model"] = "stage:rm"
+            stages[stage] = spec
+        jobs = run_pipeline(c, stages)
 
         scored = "rm" in jobs  # the pipeline trained a reward model to score samples with
         task = TASKS[JOB_TYPES[method].demo_task]

@@ -1,8 +1,10 @@
-"""Recovery of jobs whose worker stopped renewing its lease, run by every worker and by the API.
+"""Recovery of jobs whose worker stopped renewing its lease, and release of jobs waiting for others, run by every
+worker and by the API.
 
-:func:`recover_once` requeues them in one transaction and, after the commit, sends each requeued job to its
-train queue with the caller's ``enqueue`` (the API's, or a worker's Celery app). :class:`RecoveryThread`
-repeats it every ``interval`` seconds from a daemon thread.
+:func:`recover_once` requeues the lost jobs in one transaction and, after the commit, sends each requeued job to
+its train queue with the caller's ``enqueue`` (the API's, or a worker's Celery app); :func:`release_once` does the
+same for waiting jobs whose dependencies succeeded (and fails those whose dependencies cannot).
+:class:`RecoveryThread` repeats both every ``interval`` seconds from a daemon thread.
 """
 
 import logging
@@ -11,6 +13,7 @@ from collections.abc import Callable
 
 from jobs.store import crud
 from jobs.store.db import session_scope
+from jobs.store.pipelines import release_waiting
 from jobs.store.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -30,8 +33,23 @@ def recover_once(settings: Settings, enqueue: Callable[[str, str], None]) -> lis
     return [job_id for job_id, _ in requeued]
 
 
+def release_once(settings: Settings, enqueue: Callable[[str, str], None]) -> list[str]:
+    """One pass of :func:`jobs.store.pipelines.release_waiting`, then send each job it queued with ``enqueue``;
+    returns their ids. Called after a job ends, and by the sweeps."""
+    with session_scope(settings.resolved_database_url) as session:
+        queued = release_waiting(session)
+    for job_id, queue in queued:  # after the commit
+        log.info("job %s: the jobs it waited for succeeded; queued", job_id)
+        try:
+            enqueue(job_id, queue)
+        except Exception:
+            log.exception("could not enqueue released job %s", job_id)
+    return [job_id for job_id, _ in queued]
+
+
 class RecoveryThread(threading.Thread):
-    """Calls :func:`recover_once` every ``interval`` seconds (the first time after one interval) until stopped."""
+    """Calls :func:`recover_once` and :func:`release_once` every ``interval`` seconds (the first time after one
+    interval) until stopped."""
 
     def __init__(self, settings: Settings, enqueue: Callable[[str, str], None], interval: float) -> None:
         super().__init__(name="rlhf-lease-recovery", daemon=True)
@@ -39,9 +57,11 @@ class RecoveryThread(threading.Thread):
         self.stopping = threading.Event()
 
     def sweep(self) -> None:
-        """One :func:`recover_once`; a failure is logged, and the next sweep tries again."""
+        """One :func:`recover_once` and one :func:`release_once`; a failure is logged, and the next sweep tries
+        again."""
         try:
             recover_once(self.settings, self.enqueue)
+            release_once(self.settings, self.enqueue)
         except Exception:
             log.exception("lease recovery failed; retrying in %s s", self.interval)
 

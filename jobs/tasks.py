@@ -22,6 +22,7 @@ from jobs import inference, recovery, runner
 from jobs.celery_app import GENERATE_TASK, RECOVER_TASK, RUN_JOB_TASK, TRAIN_QUEUE, celery_app, make_celery, send_job
 from jobs.store import crud
 from jobs.store.db import session_scope
+from jobs.store.models import FINAL_STATUSES
 from jobs.store.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,11 @@ def run_job(self: Task, job_id: str) -> str:
             queue = crud.job_queue(job) if job is not None else TRAIN_QUEUE
         send_job(celery_app, job_id, queue)
         log.info("job %s: handed back to queue %s", job_id, queue)
+    if status in FINAL_STATUSES:  # jobs waiting for this one start now (or fail), not at the next sweep
+        try:
+            recovery.release_once(current_settings(), enqueue)
+        except Exception:
+            log.exception("job %s ended; releasing the jobs waiting for it failed (the next sweep retries)", job_id)
     return status
 
 

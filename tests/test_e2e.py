@@ -20,8 +20,12 @@ from tests.helpers import free_port
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Client, Path]]:
     data_dir = tmp_path_factory.mktemp("server")
-    with embedded_server(data_dir, free_port()) as client:
-        yield client, data_dir
+    # a spec may ask for more processes than the worker has cores (the pipeline test's failing stage)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RLHF_MAX_PROCESSES", "64")
+        with embedded_server(data_dir, free_port()) as client:
+            env.undo()
+            yield client, data_dir
 
 
 def upload(c: Client, folder: Path, name: str, rows: int = 256) -> str:
@@ -111,10 +115,10 @@ def test_pipeline_over_http(server: tuple[Client, Path], tmp_path: Path) -> None
     )
     assert live["checkpoint"] >= 2 and isinstance(live["completions"][0]["score"], float)
 
-    # A job that has not succeeded cannot be a model; another project's key cannot see the job.
-    with pytest.raises(ClientError) as error:
-        c.create_job({**ppo_spec, "model": f"job:{ppo['id']}"})
-    assert error.value.status == 422 and error.value.code == "job_not_succeeded"
+    # A job naming one that has not finished waits for it (and fails when that one is cancelled, below); another
+    # project's key cannot see the job.
+    waiting = c.create_job({**ppo_spec, "model": f"job:{ppo['id']}"})
+    assert waiting["status"] == "waiting"
     env = {**os.environ, "RLHF_DATA_DIR": str(data_dir)}
     out = subprocess.run(
         [sys.executable, "-m", "jobs.cli", "keys", "create", "--project", "other"],
@@ -135,12 +139,50 @@ def test_pipeline_over_http(server: tuple[Client, Path], tmp_path: Path) -> None
     assert cancelled["status"] == "cancelled"
     ppo_steps = [m.data["step"] for m in c.stream(ppo["id"]) if m.event == "metrics"]
     assert ppo_steps == list(range(1, cancelled["step"] + 1))  # every step once, in order, across the pause
+    ended = wait_for(c, waiting["id"], finished, timeout=30)
+    assert (ended["status"], ended["error"]["code"]) == ("failed", "dependency_failed")
+    assert ppo["id"] in ended["error"]["message"]
 
-    # Pagination over the three jobs, newest first.
+    # Pagination over the four jobs, newest first.
     first = c.request("GET", "/v1/jobs", params={"limit": 2})
     second = c.request("GET", "/v1/jobs", params={"limit": 2, "after": first["data"][-1]["id"]})
     assert first["has_more"] and not second["has_more"]
-    assert [j["id"] for j in first["data"] + second["data"]] == [ppo["id"], rm["id"], sft["id"]]
+    assert [j["id"] for j in first["data"] + second["data"]] == [waiting["id"], ppo["id"], rm["id"], sft["id"]]
+
+
+def test_a_pipeline_in_one_request_runs_to_the_end(server: tuple[Client, Path], tmp_path: Path) -> None:
+    """SFT → RM → PPO submitted whole (``rlhf submit`` of a pipeline file): each stage starts when the one it names
+    succeeds, with no further call; then a pipeline whose first stage fails (more processes than the worker
+    has cores) fails its other stages with dependency_failed."""
+    c, data_dir = server
+    stages = {
+        "sft": {"type": "sft", "model": "builtin:tiny", "dataset": "builtin:reviews-sft",
+                "hyperparameters": {"max_steps": 4, "batch_size": 8}},
+        "rm": {"type": "rm", "model": "stage:sft", "dataset": "builtin:reviews-prefs",
+               "hyperparameters": {"max_steps": 4, "batch_size": 8}},
+        "ppo": {"type": "ppo", "model": "stage:sft", "reward_model": "stage:rm", "dataset": "builtin:reviews-prompts",
+                "hyperparameters": {"total_steps": 2, "batch_size": 8, "mini_batch_size": 8, "response_length": 8}},
+    }  # fmt: skip
+    pipeline = tmp_path / "pipeline.json"
+    pipeline.write_text(json.dumps({"stages": stages}))
+    env = {**os.environ, "RLHF_DATA_DIR": str(data_dir)}  # the url and key rlhf serve wrote there
+    out = subprocess.run([sys.executable, "-m", "jobs.cli", "submit", str(pipeline)], env=env, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    ids = {line.split(": ")[0]: line.split()[1] for line in out.stdout.splitlines()}  # "<stage>: <id> <status>"
+    assert list(ids) == ["sft", "rm", "ppo"]
+    ppo = wait_for(c, ids["ppo"], finished)
+    assert ppo["status"] == "succeeded", ppo
+    assert [c.get_job(ids[name])["status"] for name in ("sft", "rm")] == ["succeeded", "succeeded"]
+
+    too_many = (os.cpu_count() or 1) + 1  # within RLHF_MAX_PROCESSES (the server fixture's), beyond the worker
+    sft = {**stages["sft"], "hyperparameters": {"max_steps": 4, "batch_size": 8 * too_many}}  # a share each
+    failing = {**stages, "sft": {**sft, "resources": {"num_processes": too_many}}}
+    jobs = c.create_pipeline(failing)
+    assert wait_for(c, jobs["sft"]["id"], finished)["error"]["code"] == "invalid_spec"
+    for name in ("rm", "ppo"):
+        job = wait_for(c, jobs[name]["id"], finished, timeout=30)
+        assert (job["status"], job["error"]["code"]) == ("failed", "dependency_failed"), job
+        assert jobs["sft"]["id"] in job["error"]["message"]
 
 
 def children_running(parent: int, marker: str) -> list[int]:

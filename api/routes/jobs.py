@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.deps import CurrentProject, EnqueueDep, SessionDep, SettingsDep
+from api.deps import CurrentProject, Enqueue, EnqueueDep, SessionDep, SettingsDep
 from api.errors import ApiError, ErrorResponse, error_responses, not_found, spec_error
 from api.schemas import (
     ID_PATTERN,
@@ -27,9 +27,11 @@ from api.schemas import (
     looks_like_id,
 )
 from engine.config import JobSpec
+from jobs.recovery import release_once
 from jobs.store import crud
 from jobs.store.models import FINAL_STATUSES, Job, Project, utcnow
 from jobs.store.refs import SpecReferenceError, resolve_spec
+from jobs.store.settings import Settings
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -91,33 +93,12 @@ def create_job(
 ) -> JobPublic:
     """Validate a job spec in full (fields, ranges, references to jobs and files), store it and queue it.
 
-    A 422 names the field at fault in ``param``. The job is sent to the train queue only once it is committed.
+    A 422 names the field at fault in ``param``. The job is sent to the train queue only once it is committed. A
+    spec naming an unfinished job (``job:<id>`` as ``model``, ``reward_model`` or a reward grader's model) is
+    stored ``waiting``: it is queued when that job succeeds, and fails with ``dependency_failed`` if it does not.
     """
-    try:
-        # Hyperparameter defaults are filled in, so equal specs are stored equal (idempotency compares them).
-        spec = JobSpec.model_validate(body).model_dump(mode="json")
-    except ValidationError as e:
-        raise spec_error(e, body) from None
-    try:
-        resolve_spec(
-            session,
-            project_id=project.id,
-            spec=spec,
-            artifacts=settings.resolved_artifacts_dir,
-            model_root=settings.model_root,
-            hub_downloads=settings.hub_downloads,
-            reward_urls=settings.reward_urls,
-            reward_functions=settings.reward_functions,
-        )
-    except SpecReferenceError as e:
-        raise ApiError(422, e.code, e.message, param=e.param) from None
-    processes = spec["resources"]["num_processes"]
-    if processes > settings.max_processes:
-        message = (f"{processes} processes asked; this server's workers train a job in at most "
-                   f"{settings.max_processes} (RLHF_MAX_PROCESSES)")  # fmt: skip
-        raise ApiError(422, "too_many_processes", message, param="resources.num_processes")
-
-    job, created = _create_or_replay(session, project.id, spec, idempotency_key)
+    spec, pending = validated_spec(session, settings, project, body)
+    job, created = _create_or_replay(session, project.id, spec, idempotency_key, pending)
     if not created:
         if job.spec != spec:
             raise ApiError(
@@ -129,36 +110,92 @@ def create_job(
         response.status_code = 200
         return JobPublic.of(job)
     session.commit()
-    try:
-        enqueue(job.id, crud.job_queue(job))
-    except Exception as e:
-        logger.exception("could not enqueue job %s", job.id)
-        crud.transition(
-            session,
-            job_id=job.id,
-            from_statuses=("queued",),
-            to="failed",
-            finished_at=utcnow(),
-            error_code="enqueue_failed",
-            error_message="the job could not be queued: the broker did not accept it",
-        )
-        session.commit()
-        # The broker's own message (SQL, task bodies, routing keys) goes to the log above, never to the client.
-        raise ApiError(503, "unavailable", f"the job {job.id} was stored but the broker did not accept it") from e
+    send_created(session, settings, enqueue, [job])
+    session.refresh(job)
     return JobPublic.of(job)
 
 
+def validated_spec(
+    session: Session, settings: Settings, project: Project, body: dict[str, Any], param_prefix: str = ""
+) -> tuple[dict[str, Any], list[str]]:
+    """The spec as stored (every default filled in, so equal specs are stored equal: idempotency compares them)
+    and the unfinished jobs it names; a 422 naming the field (after ``param_prefix``) when it is refused."""
+    try:
+        spec = JobSpec.model_validate(body).model_dump(mode="json")
+    except ValidationError as e:
+        raise _prefixed(spec_error(e, body), param_prefix) from None
+    pending: list[str] = []
+    try:
+        resolve_spec(
+            session,
+            project_id=project.id,
+            spec=spec,
+            artifacts=settings.resolved_artifacts_dir,
+            model_root=settings.model_root,
+            hub_downloads=settings.hub_downloads,
+            reward_urls=settings.reward_urls,
+            reward_functions=settings.reward_functions,
+            pending=pending,
+        )
+    except SpecReferenceError as e:
+        raise ApiError(422, e.code, e.message, param=param_prefix + e.param) from None
+    processes = spec["resources"]["num_processes"]
+    if processes > settings.max_processes:
+        message = (f"{processes} processes asked; this server's workers train a job in at most "
+                   f"{settings.max_processes} (RLHF_MAX_PROCESSES)")  # fmt: skip
+        raise ApiError(422, "too_many_processes", message, param=param_prefix + "resources.num_processes")
+    return spec, pending
+
+
+def _prefixed(error: ApiError, prefix: str) -> ApiError:
+    if prefix:
+        error.param = prefix + error.param if error.param else prefix.removesuffix(".")
+    return error
+
+
+def send_created(session: Session, settings: Settings, enqueue: Enqueue, jobs: list[Job]) -> None:
+    """After the commit: send each new queued job to its train queue (one the broker refuses fails as
+    ``enqueue_failed``, and the request answers 503), then release the waiting ones whose dependencies finished
+    in the meantime."""
+    refused = []
+    for job in jobs:
+        if job.status != "queued":
+            continue
+        try:
+            enqueue(job.id, crud.job_queue(job))
+        except Exception:
+            logger.exception("could not enqueue job %s", job.id)
+            crud.transition(
+                session,
+                job_id=job.id,
+                from_statuses=("queued",),
+                to="failed",
+                finished_at=utcnow(),
+                error_code="enqueue_failed",
+                error_message="the job could not be queued: the broker did not accept it",
+            )
+            session.commit()
+            refused.append(job.id)
+    if any(job.status == "waiting" for job in jobs):
+        release_once(settings, enqueue)  # a dependency may have ended between the check and the commit
+    if refused:
+        # The broker's own message (SQL, task bodies, routing keys) goes to the log above, never to the client.
+        raise ApiError(503, "unavailable", f"the job {refused[0]} was stored but the broker did not accept it")
+
+
 def _create_or_replay(
-    session: Session, project_id: str, spec: dict[str, Any], idempotency_key: str | None
+    session: Session, project_id: str, spec: dict[str, Any], idempotency_key: str | None, pending: list[str]
 ) -> tuple[Job, bool]:
     try:
-        return crud.create_job(session, project_id=project_id, spec=spec, idempotency_key=idempotency_key)
+        return crud.create_job(session, project_id=project_id, spec=spec, idempotency_key=idempotency_key,
+                               waiting_for=pending)  # fmt: skip
     except IntegrityError:
         if idempotency_key is None:
             raise
         # A concurrent request with the same key won the insert; answer with its job.
         session.rollback()
-        return crud.create_job(session, project_id=project_id, spec=spec, idempotency_key=idempotency_key)
+        return crud.create_job(session, project_id=project_id, spec=spec, idempotency_key=idempotency_key,
+                               waiting_for=pending)  # fmt: skip
 
 
 @router.get("")
@@ -188,7 +225,7 @@ def get_job(session: SessionDep, project: CurrentProject, job_id: str) -> JobPub
 
 # Per action: (from statuses, to status) moves, tried in order; and the statuses that already answer it.
 _MOVES: dict[str, list[tuple[tuple[str, ...], str]]] = {
-    "cancel": [(("queued", "paused"), "cancelled"), (("running", "pausing"), "cancelling")],
+    "cancel": [(("waiting", "queued", "paused"), "cancelled"), (("running", "pausing"), "cancelling")],
     "pause": [(("running",), "pausing"), (("queued",), "paused")],
     "resume": [(("paused",), "queued")],
 }
@@ -215,13 +252,17 @@ def _control(session: Session, job: Job, action: str) -> str | None:
 
 
 @router.post("/{job_id}/cancel", responses={409: {"model": ErrorResponse}})
-def cancel_job(session: SessionDep, project: CurrentProject, job_id: str) -> JobPublic:
-    """Cancel: a queued or paused job at once; a running one cooperatively (``cancelling`` until its worker
-    stops between steps). 409 once the job is final."""
+def cancel_job(
+    session: SessionDep, settings: SettingsDep, project: CurrentProject, enqueue: EnqueueDep, job_id: str
+) -> JobPublic:
+    """Cancel: a waiting, queued or paused job at once; a running one cooperatively (``cancelling`` until its
+    worker stops between steps). 409 once the job is final. Jobs waiting for it fail (``dependency_failed``)."""
     job = job_or_404(session, project, job_id)
     _control(session, job, "cancel")
     session.commit()
     session.refresh(job)
+    if job.status == "cancelled":
+        release_once(settings, enqueue)
     return JobPublic.of(job)
 
 

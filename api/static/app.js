@@ -468,7 +468,7 @@
       const s = job.status;
       buttons.pause.disabled = !(s === 'running' || s === 'queued');
       buttons.resume.disabled = s !== 'paused';
-      buttons.cancel.disabled = !['queued', 'running', 'pausing', 'paused'].includes(s);
+      buttons.cancel.disabled = !['waiting', 'queued', 'running', 'pausing', 'paused'].includes(s);
     }
     showJob(job);
 

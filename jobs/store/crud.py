@@ -124,9 +124,15 @@ def list_files(session: Session, *, project_id: str, after: str | None, limit: i
 
 
 def create_job(
-    session: Session, *, project_id: str, spec: dict[str, Any], idempotency_key: str | None
+    session: Session,
+    *,
+    project_id: str,
+    spec: dict[str, Any],
+    idempotency_key: str | None,
+    waiting_for: Sequence[str] = (),
 ) -> tuple[Job, bool]:
-    """(job, created). With an idempotency key already used in this project, the earlier job comes back."""
+    """(job, created). With an idempotency key already used in this project, the earlier job comes back. A job
+    ``waiting_for`` unfinished jobs is created ``waiting`` (jobs.store.pipelines queues it), else ``queued``."""
     if idempotency_key is not None:
         existing = session.scalars(
             select(Job).where(Job.project_id == project_id, Job.idempotency_key == idempotency_key)
@@ -141,9 +147,14 @@ def create_job(
         spec=spec,
         idempotency_key=idempotency_key,
         latest_metrics={},
+        status="waiting" if waiting_for else "queued",
     )
     session.add(job)
     session.flush()
+    if waiting_for:
+        names = ", ".join(waiting_for)
+        add_event(session, job_id=job.id, kind="info", message=f"waiting for job {names} to succeed",
+                  data={"waiting_for": list(waiting_for)})  # fmt: skip
     return job, True
 
 

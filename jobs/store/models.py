@@ -22,9 +22,14 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 # Autoincrementing 64-bit ids; SQLite only autoincrements INTEGER PRIMARY KEY.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
-JOB_STATUSES = ("queued", "running", "cancelling", "cancelled", "pausing", "paused", "succeeded", "failed")
+JOB_STATUSES = (
+    "waiting", "queued", "running", "cancelling", "cancelled", "pausing", "paused", "succeeded", "failed"
+)  # fmt: skip
+"""``waiting``: for the unfinished jobs its spec names (a pipeline's later stage); queued once they succeed."""
 ACTIVE_STATUSES = ("running", "cancelling", "pausing")
 FINAL_STATUSES = ("succeeded", "failed", "cancelled")
+LIVE_STATUSES = ("waiting", "queued", "running", "pausing", "paused")
+"""Statuses of a job that may still succeed: another job may wait for it."""
 
 
 def utcnow() -> datetime:

@@ -31,7 +31,7 @@ from engine.hub import is_hub_id
 from engine.model_refs import ModelNotFoundError, chat_template_saved, context_saved, resolve_model_ref
 from engine.rows import dataset_kind
 from jobs.store import crud
-from jobs.store.models import Job
+from jobs.store.models import LIVE_STATUSES, Job
 from jobs.store.settings import Settings
 
 _JOB_REF = re.compile(r"^job:([A-Za-z0-9_-]+)(?:@(\d+))?$")
@@ -71,17 +71,19 @@ def job_dir(artifacts: Path, job_id: str) -> Path:
 
 def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], artifacts: Path,
                  model_root: Path | None, hub_downloads: bool = False, reward_urls: Sequence[str] = ("loopback",),
-                 reward_functions: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
+                 reward_functions: Sequence[str] = (), pending: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
     """A copy of ``spec`` with every service reference replaced by a path; raises SpecReferenceError.
     ``model_root``, ``hub_downloads``, ``reward_urls`` and ``reward_functions`` are the settings of the same
-    names."""
+    names. With a ``pending`` list, a ``job:<id>`` of a job that has not finished yet but may still succeed is
+    accepted (a pipeline's earlier stage) and its id appended there; without, such a reference is refused."""
     resolved = {**spec, "hyperparameters": dict(spec.get("hyperparameters", {}))}
     job_type = spec["type"]
     resolved["model"] = _model(session, project_id, "model", spec["model"], model_sources(job_type), artifacts,
-                               model_root, hub_downloads)  # fmt: skip
+                               model_root, hub_downloads, pending)  # fmt: skip
 
     def reward_model(param: str, ref: str) -> str:
-        return _model(session, project_id, param, ref, reward_model_sources(), artifacts, model_root, hub_downloads)
+        return _model(session, project_id, param, ref, reward_model_sources(), artifacts, model_root, hub_downloads,
+                      pending)  # fmt: skip
 
     if spec.get("reward_model"):
         resolved["reward_model"] = reward_model("reward_model", spec["reward_model"])
@@ -169,7 +171,7 @@ def _has_chat_template(model: str) -> bool | None:
 
 def _model(
     session: Session, project_id: str, param: str, ref: str, sources: tuple[str, ...], artifacts: Path,
-    model_root: Path | None, hub_downloads: bool,
+    model_root: Path | None, hub_downloads: bool, pending: list[str] | None = None,
 ) -> str:  # fmt: skip
     if ref.startswith("builtin:"):
         return ref
@@ -193,10 +195,31 @@ def _model(
             raise SpecReferenceError(param, "checkpoint_not_found", f"job {job_id} has no checkpoint at step {step}")
         return str(artifacts / checkpoint.path)
     if job.status != "succeeded":
+        if pending is not None and job.status in LIVE_STATUSES:
+            pending.append(job_id)  # the new job waits for it
+            return str(job_dir(artifacts, job_id))
+        may_wait = " (or an unfinished one, at submit)" if pending is None else ""
         raise SpecReferenceError(
-            param, "job_not_succeeded", f"job {job_id} is {job.status}; name a succeeded job or one of its checkpoints"
-        )
+            param, "job_not_succeeded",
+            f"job {job_id} is {job.status}; name a succeeded job{may_wait} or one of its checkpoints",
+        )  # fmt: skip
     return str(job_dir(artifacts, job_id))
+
+
+def dependencies(spec: dict[str, Any]) -> list[str]:
+    """The ids of the jobs whose final model ``spec`` names (``job:<id>``, without a step): in ``model``,
+    ``reward_model`` and the model graders of ``reward`` and ``eval_reward``."""
+    refs = [spec.get("model"), spec.get("reward_model")]
+
+    def collect(param: str, ref: str) -> str:
+        refs.append(ref)
+        return ref
+
+    for field in ("reward", "eval_reward"):
+        if spec.get(field):
+            replace_models(spec[field], collect, field)
+    ids = [m.group(1) for ref in refs if ref and (m := _JOB_REF.match(ref)) and m.group(2) is None]
+    return list(dict.fromkeys(ids))
 
 
 def _hub_model(param: str, ref: str, hub_downloads: bool) -> str:

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Every method and path of the README's API table.
 DESIGN_ROUTES = {
     ("post", "/v1/files"), ("get", "/v1/files"), ("get", "/v1/files/{file_id}"),
-    ("post", "/v1/jobs"), ("get", "/v1/jobs"), ("get", "/v1/jobs/{job_id}"),
+    ("post", "/v1/jobs"), ("get", "/v1/jobs"), ("get", "/v1/jobs/{job_id}"), ("post", "/v1/pipelines"),
     ("post", "/v1/jobs/{job_id}/cancel"), ("post", "/v1/jobs/{job_id}/pause"), ("post", "/v1/jobs/{job_id}/resume"),
     ("get", "/v1/jobs/{job_id}/metrics"), ("get", "/v1/jobs/{job_id}/events"), ("get", "/v1/jobs/{job_id}/stream"),
     ("get", "/v1/jobs/{job_id}/checkpoints"), ("post", "/v1/jobs/{job_id}/generate"),

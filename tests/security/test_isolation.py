@@ -121,6 +121,12 @@ def test_another_projects_objects_are_invisible_on_every_route(
         for spec, param, code in refs:
             response = client.post("/v1/jobs", json=spec)
             assert (response.status_code, error_of(response)["code"], error_of(response)["param"]) == (422, code, param)
+            # nor as a pipeline's stage (A's running job is not one to wait for either)
+            stages = {"first": {**spec, "model": spec["model"].replace(f"job:{succeeded}", f"job:{running}")}}
+            response = client.post("/v1/pipelines", json={"stages": stages})
+            assert (response.status_code, error_of(response)["code"], error_of(response)["param"]) == (
+                422, code, f"stages.first.{param}")  # fmt: skip
+        walked.add(("POST", "/v1/pipelines"))
         # B's own uploads and jobs are B's alone.
         upload = client.post("/v1/files", files={"file": ("b.jsonl", jsonl([SFT_ROW]))}, data={"purpose": "sft"})
         assert upload.status_code == 201

@@ -140,13 +140,16 @@ def test_body_that_is_not_a_spec_object(client: TestClient) -> None:
 
 def test_references_to_jobs(client: TestClient, settings: Settings, project: Project, db: Db, calls: Calls) -> None:
     running = db.job(project.id, status="running")
+    failed = db.job(project.id, status="failed")
+    cancelling = db.job(project.id, status="cancelling")
     succeeded_rm = db.job(project.id, spec=RM_SPEC, status="succeeded")
     other_project_job = db.job(new_project(settings, "other").id, status="succeeded")
     db.checkpoint(running, 4)
     cases = [
         ({**SFT_SPEC, "model": "job:job_000000000000"}, "model", "job_not_found"),
         ({**SFT_SPEC, "model": f"job:{other_project_job}"}, "model", "job_not_found"),
-        ({**SFT_SPEC, "model": f"job:{running}"}, "model", "job_not_succeeded"),
+        ({**SFT_SPEC, "model": f"job:{failed}"}, "model", "job_not_succeeded"),
+        ({**SFT_SPEC, "model": f"job:{cancelling}"}, "model", "job_not_succeeded"),
         ({**SFT_SPEC, "model": f"job:{running}@9"}, "model", "checkpoint_not_found"),
         ({**SFT_SPEC, "model": f"job:{succeeded_rm}"}, "model", "wrong_job_type"),
         ({**PPO_SPEC, "reward_model": f"job:{running}"}, "reward_model", "wrong_job_type"),
@@ -156,9 +159,10 @@ def test_references_to_jobs(client: TestClient, settings: Settings, project: Pro
         response = client.post("/v1/jobs", json=spec)
         assert response.status_code == 422, (spec, response.text)
         assert (error_of(response)["code"], error_of(response)["param"]) == (code, param)
-    assert {job["id"] for job in jobs_stored(client)} == {running, succeeded_rm}
+    assert {job["id"] for job in jobs_stored(client)} == {running, failed, cancelling, succeeded_rm}
     assert calls.enqueued == []
-    # An explicit checkpoint of a running job, and a succeeded reward model, are fine.
+    # An explicit checkpoint of a running job, and a succeeded reward model, are fine (a running job's final
+    # model makes a waiting job: tests/api/routes/test_pipelines.py).
     ok = client.post("/v1/jobs", json={**PPO_SPEC, "model": f"job:{running}@4", "reward_model": f"job:{succeeded_rm}"})
     assert ok.status_code == 201, ok.text
 
