@@ -36,7 +36,7 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.pt"
 JOB_FILE = "job.json"
 SPEC_FILE = "spec.json"
-UNTRAINED_FIELDS = (("name",), ("metadata",), ("resources", "queue"))
+UNTRAINED_FIELDS = (("name",), ("metadata",), ("resources", "queue"), ("tracking",))
 """Spec fields that do not change what is trained: a run may resume under other values of them."""
 TEMP_PREFIX = ".step-"
 """A checkpoint being written: ``.step-N-<random>``."""

@@ -1,13 +1,15 @@
 """The ``rlhf`` command line: run jobs locally, without any server.
 
 rlhf demo [--out runs/demo] [--method dpo]  the built-in SFT → RM → PPO (or SFT → DPO) pipeline, before/after
-rlhf train SPEC.(yaml|json) --out DIR       one job; DIR gets checkpoints/step-N/, spec.json and job.json
+rlhf train SPEC.(yaml|json) --out DIR       one job; DIR gets checkpoints/step-N/, spec.json, job.json,
+                                            metrics.jsonl, and the trackers the spec switches on (tracking)
            [--restart]                      start over in a DIR holding a run of another spec
 rlhf generate --model DIR --prompt TEXT     sample from a job folder, a checkpoint or any causal LM
 """
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ from tqdm import tqdm
 
 from engine.callbacks import Callbacks
 from engine.config import JOB_TYPES, JobSpec, format_errors
+from engine.tracking import METRICS_FILE, MetricsFile, Tracker, TrackingOptions, switched_on
 
 
 class ProgressBar(Callbacks):
@@ -81,10 +84,19 @@ def train(spec: JobSpec, out: Path, label: str | None = None, *, restart: bool =
     else:
         check_same_spec(out, spec)
     bar = ProgressBar(spec.type, label or spec.name or spec.type)
+    callbacks: Callbacks = MetricsFile(bar, out / METRICS_FILE)
+    tracker = None
+    if backends := switched_on(spec):  # each into its folder under out, MLflow into a local store there
+        tracker = Tracker(callbacks, spec, out, TrackingOptions(backends, run_name=spec.name or out.resolve().name))
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # its store's set-up notices, amid the progress bar
     started = time.perf_counter()
+    status = "failed"
     try:
-        result = run_job(spec, out, bar)
+        result = run_job(spec, out, tracker or callbacks)
+        status = result.status
     finally:
+        if tracker is not None:
+            tracker.close(status)
         bar.close()
     print(f"{bar.label}: {result.status} at step {result.step} in {time.perf_counter() - started:.1f}s -> {out}")
 
@@ -149,7 +161,10 @@ def add_train_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = sub.add_parser("train", help="run one job spec locally, without a server")
     p.add_argument("spec", type=Path, help="job spec, .json or .yaml (the body of POST /v1/jobs)")
     p.add_argument(
-        "--out", type=Path, required=True, help="job folder: checkpoints and job.json; resumes a run of the same spec"
+        "--out",
+        type=Path,
+        required=True,
+        help="job folder: checkpoints, job.json, metrics.jsonl and the trackers' files; resumes a run of the same spec",
     )
     p.add_argument(
         "--restart",

@@ -481,6 +481,26 @@ class Resources(_Strict):
         return value
 
 
+TrackingBackend = Literal["tensorboard", "mlflow", "wandb"]
+"""The experiment trackers a job's metrics can also go to (engine/tracking.py)."""
+
+
+class TrackingSpec(_Strict):
+    """Experiment trackers that receive the job's metrics besides the service, each from its official library
+    (``pip install 'rlhf-server[tracking]'`` on the workers). A server can switch them on for every job
+    (``RLHF_TRACKING``); a tracker that fails is reported once, as a warning event, and the job goes on."""
+
+    tensorboard: bool = False
+    """TensorBoard event files in the job's folder (``GET /v1/jobs/{id}/tensorboard`` downloads them; the local
+    ``rlhf train`` writes them to ``OUT/tensorboard``)."""
+    mlflow: bool = False
+    """One MLflow run per job: the server's tracking URI (``RLHF_MLFLOW_TRACKING_URI``), else a local store in the
+    job's folder (``mlruns/mlflow.db``)."""
+    wandb: bool = False
+    """One Weights & Biases run per job, offline (run files in the job's ``wandb/`` folder, for ``wandb sync``)
+    unless the server is set to online (``RLHF_WANDB_MODE``)."""
+
+
 @dataclass(frozen=True)
 class JobTypeInfo:
     """What the service knows of one job type: everything that differs by type is read from here.
@@ -699,6 +719,9 @@ class JobSpec(_Strict):
     """Free-form string labels: at most 16 keys of 1 to 64 characters, values up to 512 characters."""
     resources: Resources = Field(default_factory=Resources)
     """The worker queue, and how many processes the job trains in."""
+    tracking: TrackingSpec | None = None
+    """Experiment trackers that also receive the job's metrics: TensorBoard, MLflow, Weights & Biases (null:
+    only those the server switches on for every job)."""
 
     @field_validator("type")
     @classmethod

@@ -45,6 +45,7 @@ from engine.loop import NonFiniteLossError
 from engine.models import ModelNotFoundError
 from engine.rows import ChatTemplateMissingError
 from engine.run import run_job as run_engine
+from engine.tracking import Tracker, TrackingOptions, switched_on
 from jobs.distributed import RankFailure, run_distributed
 from jobs.downloads import DownloadStopped, HubDownloadError, download
 from jobs.store import crud, refs
@@ -407,7 +408,7 @@ Ending = tuple[list[Outcome], tuple[str, str, dict[str, Any]] | None]
 def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallbacks) -> Ending:
     # 2. the spec, with job: and file- references turned into paths
     try:
-        spec = in_transaction(settings.resolved_database_url, lambda s: _resolved_spec(s, job_id, settings))
+        submitted, spec = in_transaction(settings.resolved_database_url, lambda s: _specs(s, job_id, settings))
     except (refs.SpecReferenceError, ValidationError) as e:
         return _failure("invalid_spec", format_errors(e) if isinstance(e, ValidationError) else str(e))
     log.info("job %s: %s job starting in %s", job_id, spec.type, out_dir)
@@ -427,11 +428,15 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
     if processes > (available := _processors()):
         where = f"{available} GPUs" if torch.cuda.is_available() else f"{available} CPU cores"
         return _failure("invalid_spec", f"resources.num_processes is {processes}, and this worker has {where}")
+    tracker = _tracker(job_id, submitted, settings, out_dir, callbacks)
+    status = "failed"
     try:
+        # rank 0 of a job in several processes reports to this process's callbacks, the tracker among them
         if processes == 1:
-            result = run_engine(spec, out_dir, callbacks)
+            result = run_engine(spec, out_dir, tracker or callbacks)
         else:
-            result = run_distributed(spec, out_dir, callbacks, processes)
+            result = run_distributed(spec, out_dir, tracker or callbacks, processes)
+        status = result.status
     except LeaseLostError:
         raise
     except RankFailure as e:
@@ -440,10 +445,30 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
     except Exception as e:
         log.exception("job %s failed", job_id)
         return _failure(error_code(e), str(e) or type(e).__name__)
+    finally:
+        if tracker is not None:
+            tracker.close(status)
     log.info("job %s: %s at step %d", job_id, result.status, result.step)
     if result.status == "succeeded":
         return succeeded(result.step), None
     return _stopped(result.status, result.step, callbacks)
+
+
+def _tracker(job_id: str, spec: JobSpec, settings: Settings, out_dir: Path, callbacks: DbCallbacks) -> Tracker | None:
+    """The job's callbacks writing to the experiment trackers that its spec or the server switch on; None if none
+    is. Event files, W&B's offline runs and MLflow's store (without a tracking URI) go to the job's folder."""
+    backends = switched_on(spec, settings.tracking)
+    if not backends:
+        return None
+    options = TrackingOptions(
+        backends,
+        run_name=job_id,
+        mlflow_tracking_uri=settings.mlflow_tracking_uri,
+        mlflow_experiment=settings.mlflow_experiment,
+        wandb_mode=settings.wandb_mode,
+        wandb_project=settings.wandb_project,
+    )
+    return Tracker(callbacks, spec, out_dir, options)
 
 
 def _stopped(status: str, step: int, callbacks: DbCallbacks) -> Ending:
@@ -494,10 +519,11 @@ def _failure(code: str, message: str) -> Ending:
     return failed(code, message), ("error", message, {"code": code})
 
 
-def _resolved_spec(session: Session, job_id: str, settings: Settings) -> JobSpec:
+def _specs(session: Session, job_id: str, settings: Settings) -> tuple[JobSpec, JobSpec]:
+    """The job's spec as submitted (what the trackers record), and with its references resolved (what trains)."""
     job = crud.get_job(session, job_id=job_id)
     assert job is not None, f"job {job_id} disappeared"
-    return JobSpec.model_validate(refs.resolve_stored(session, job, settings))
+    return JobSpec.model_validate(job.spec), JobSpec.model_validate(refs.resolve_stored(session, job, settings))
 
 
 def _processors() -> int:

@@ -38,7 +38,13 @@ def test_api_app_is_torch_free() -> None:
     # The whole app: every router, the schemas, the Celery app it sends tasks with.
     loaded = modules_after_import("import api.main")
     assert {"fastapi", "celery", "sqlalchemy"} <= loaded  # the check is meaningful
-    assert not loaded & {"torch", "transformers", "numpy"}
+    assert not loaded & {"torch", "transformers", "numpy", "tensorboard", "mlflow", "wandb"}
+
+
+def test_the_experiment_trackers_are_imported_only_when_a_job_switches_one_on() -> None:
+    loaded = modules_after_import("import engine.tracking, engine.cli, jobs.runner")
+    assert "torch" in loaded  # the check is meaningful: the runner really was imported
+    assert not loaded & {"tensorboard", "mlflow", "wandb"}
 
 
 def test_engine_reads_no_environment() -> None:

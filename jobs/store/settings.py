@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine.config import TrackingBackend
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RLHF_", use_attribute_docstrings=True, extra="ignore")
@@ -48,6 +50,20 @@ class Settings(BaseSettings):
     reward_functions: list[str] = []
     """The ``module:function`` reward functions a ``python`` grader may name (importable on the workers); none by
     default. Others are refused at submit (``reward_not_allowed``). The local ``rlhf train`` allows any."""
+    tracking: list[TrackingBackend] = []
+    """Experiment trackers every job's metrics go to, as if each spec switched them on (``tracking``), e.g.
+    ``["tensorboard", "mlflow"]``: ``tensorboard``, ``mlflow``, ``wandb``. The workers need the ``tracking`` extra
+    (``pip install 'rlhf-server[tracking]'``); a tracker they cannot use is a warning event, not a failed job."""
+    mlflow_tracking_uri: str | None = None
+    """The MLflow tracking server (``http://mlflow:5000``) or store (``sqlite:////shared/mlflow.db``) jobs log to;
+    None: each job logs to a local store in its own folder, ``<artifacts>/jobs/<id>/mlruns/mlflow.db``."""
+    mlflow_experiment: str = "rlhf-server"
+    """The MLflow experiment the jobs' runs go to (created when missing); one run per job, named by its id."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """``offline``: W&B run files in the job's folder (``<artifacts>/jobs/<id>/wandb/``; ``wandb sync`` uploads
+    them later); ``online``: straight to W&B, with the workers logged in (``WANDB_API_KEY``, ``WANDB_BASE_URL``)."""
+    wandb_project: str = "rlhf-server"
+    """The W&B project of the jobs' runs; one run per job, named by its id."""
     lease_seconds: int = 120
     """How long a training worker's claim on a job lasts without a heartbeat."""
     max_attempts: int = 3

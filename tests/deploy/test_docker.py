@@ -34,6 +34,10 @@ TRAIN_ONLY = {
 }  # fmt: skip
 """What only training and generation import (the text-similarity graders' libraries among them, imported when a
 grader scores): the `train` extra, never in the API image."""
+TRACKING = {"tensorboard", "mlflow-skinny", "wandb"}
+"""The experiment trackers' clients, imported only when a job switches one on: the `tracking` extra, in the worker
+image, never in the API image."""
+TRACKING_MODULES = {"tensorboard", "mlflow", "wandb"}
 RLHF_SERVICES = ("migrate", "api", "train-worker", "inference-worker")
 
 
@@ -288,7 +292,7 @@ def test_the_api_image_installs_no_training_packages() -> None:
     dockerfile = DOCKER / "Dockerfile.api"
     runs = " ".join(a for k, a in runtime_stage(dockerfile) if k == "RUN")
     assert "pip install --no-cache-dir /wheels/rlhf_server-*.whl" in runs  # the wheel, no extra
-    assert "[" not in runs and not TRAIN_ONLY & set(re.findall(r"[a-z]+", runs))
+    assert "[" not in runs and not (TRAIN_ONLY | TRACKING_MODULES) & set(re.findall(r"[a-z]+", runs))
     stage = runtime_stage(dockerfile)
     assert ("EXPOSE", "8000") in stage
     assert any(k == "HEALTHCHECK" and "/healthz" in a for k, a in stage)
@@ -300,7 +304,7 @@ def test_the_worker_image_installs_the_train_extra_on_pinned_torch() -> None:
     runs = [a for k, a in runtime_stage(dockerfile) if k == "RUN"]
     assert args_of(dockerfile)["TORCH_VERSION"] == "2.13.0"
     assert 'pip install --no-cache-dir "torch==${TORCH_VERSION}"' in runs
-    assert any('"${wheel}[train]" "torch==${TORCH_VERSION}"' in run for run in runs)
+    assert any('"${wheel}[train,tracking]" "torch==${TORCH_VERSION}"' in run for run in runs)
     assert runtime_stage(dockerfile)[-1] == ("CMD", '["rlhf", "worker", "--queues", "train"]')
     text = dockerfile.read_text()
     assert "--index-url" not in text and "--extra-index-url" not in text  # torch from PyPI, as pip is set up
@@ -322,14 +326,16 @@ def test_training_dependencies_are_an_extra() -> None:
     assert not core & TRAIN_ONLY
     assert {"fastapi", "celery", "sqlalchemy", "alembic", "psycopg", "redis", "pydantic-settings"} <= core
     assert {requirement_name(r) for r in extras["train"]} == TRAIN_ONLY
-    assert "rlhf-server[train]" in extras["dev"]  # make install keeps installing everything
+    assert {requirement_name(r) for r in extras["tracking"]} == TRACKING and not core & TRACKING
+    # make install keeps installing everything: the tracking tests never skip
+    assert {"rlhf-server[train]", "rlhf-server[tracking]"} <= set(extras["dev"])
 
 
 # The statements of the API image, run with the training packages out of reach as if they were not installed.
 WITHOUT_TRAINING_PACKAGES = f"""
 import sys
 
-BLOCKED = {sorted(TRAIN_ONLY)!r}
+BLOCKED = {sorted(TRAIN_ONLY | TRACKING_MODULES)!r}
 
 
 class Without:

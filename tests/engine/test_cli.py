@@ -167,11 +167,16 @@ def test_train_restart_starts_over_with_the_new_spec(tmp_path):
     assert (out / "notes.txt").read_text() == "mine", "--restart deletes the run only"
 
 
-def test_train_resumes_under_another_name_metadata_or_queue(tmp_path, capsys):
+def test_train_resumes_under_another_name_metadata_queue_or_trackers(tmp_path, capsys):
     out = tmp_path / "job"
     train(make_spec("sft", hyperparameters=TWO_STEPS), out)
     relabelled = make_spec(
-        "sft", hyperparameters=TWO_STEPS, name="renamed", metadata={"team": "b"}, resources={"queue": "train-a100"}
+        "sft",
+        hyperparameters=TWO_STEPS,
+        name="renamed",
+        metadata={"team": "b"},
+        resources={"queue": "train-a100"},
+        tracking={"tensorboard": True},
     )
     before = snapshot(out / "checkpoints")
 

@@ -5,7 +5,17 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from engine.config import HYPERPARAMETERS, JobSpec, LoraSpec, PPOConfig, RMConfig, SFTConfig, TrainConfig, format_errors
+from engine.config import (
+    HYPERPARAMETERS,
+    JobSpec,
+    LoraSpec,
+    PPOConfig,
+    RMConfig,
+    SFTConfig,
+    TrackingSpec,
+    TrainConfig,
+    format_errors,
+)
 
 DATASETS = {"sft": "builtin:reviews-sft", "rm": "builtin:reviews-prefs", "ppo": "builtin:reviews-prompts"}
 
@@ -40,7 +50,7 @@ def test_minimal_spec_is_valid(job_type):
     assert isinstance(spec.config, HYPERPARAMETERS[job_type])
 
 
-@pytest.mark.parametrize("cls", [TrainConfig, SFTConfig, RMConfig, PPOConfig, LoraSpec, JobSpec])
+@pytest.mark.parametrize("cls", [TrainConfig, SFTConfig, RMConfig, PPOConfig, LoraSpec, TrackingSpec, JobSpec])
 def test_every_field_is_documented(cls):
     assert cls.model_fields
     for name, field in cls.model_fields.items():
@@ -99,6 +109,14 @@ def test_unknown_top_level_field():
     message = _error(JobSpec, _spec(epochs=3))
     assert message.startswith("epochs:"), message
     assert "extra" in message.lower()
+
+
+def test_tracking_switches_trackers_on_and_names_an_unknown_one():
+    spec = JobSpec.model_validate(_spec(tracking={"mlflow": True}))
+    assert spec.model_dump(mode="json")["tracking"] == {"tensorboard": False, "mlflow": True, "wandb": False}
+    assert JobSpec.model_validate(_spec()).tracking is None
+    message = _error(JobSpec, _spec(tracking={"tensorboard": True, "comet": True}))
+    assert message.startswith("tracking.comet:"), message
 
 
 def test_unknown_hyperparameter():
