@@ -8,7 +8,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchem
 
 from engine.config import JOB_TYPES
 from engine.rows import KIND_ALIASES, ROW_FIELDS
-from jobs.store.models import Checkpoint, Event, File, Job
+from jobs.store.models import Checkpoint, Event, File, Job, Sample
 
 
 def _as_utc(value: datetime) -> datetime:
@@ -221,6 +221,39 @@ class CheckpointPublic(BaseModel):
 class CheckpointsPublic(BaseModel):
     data: list[CheckpointPublic]
     has_more: bool = False
+
+
+class SamplePublic(BaseModel):
+    """A rollout a PPO or GRPO job kept (every ``log_samples_every`` steps)."""
+
+    position: int
+    """Its place among the step's samples (the batch's order: a GRPO group's samples side by side)."""
+    prompt: str
+    """The prompt as the policy saw it (a chat prompt rendered by the chat template); at most 4000 characters."""
+    response: str
+    """The sampled response; at most 4000 characters."""
+    rewards: dict[str, float]
+    """Its reward by component: ``score`` (a reward model), or each grader's score and ``total``."""
+    kl: float
+    """The summed log-ratio of policy to reference over the response's tokens."""
+    length: int
+    """Response tokens."""
+
+    @classmethod
+    def of(cls, row: Sample) -> "SamplePublic":
+        return cls(position=row.position, prompt=row.prompt, response=row.response, rewards=row.rewards or {},
+                   kl=row.kl, length=row.length)  # fmt: skip
+
+
+class SamplesPublic(BaseModel):
+    object: Literal["list"] = "list"
+    step: int | None
+    """The step of ``data`` (None while the job has kept no samples)."""
+    steps: list[int]
+    """Every step with samples, ascending."""
+    reward_names: list[str]
+    """The reward components of ``data``'s samples, in order."""
+    data: list[SamplePublic]
 
 
 # --- generation --------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """How a training loop talks to whoever runs it: the local CLI, or a worker that writes to the database."""
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 StopRequest = Literal["cancel", "pause"]
 
@@ -19,6 +19,13 @@ class Callbacks:
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Metrics of 1-based optimizer step ``step``, keyed by name (``loss/sft``, ``objective/kl``, ...: the
         README lists them)."""
+
+    def on_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Some rollouts of step ``step`` (PPO, GRPO: every ``log_samples_every`` steps and step 1), each
+        ``{"prompt": str, "response": str, "rewards": {name: float}, "kl": float, "length": int}``: the prompt as
+        the policy saw it (chat prompts rendered), the response as text, the reward's components (a reward model:
+        ``{"score": ...}``; graders: each named grader and ``"total"``), the summed log-ratio to the reference over
+        the response, and the response's token count. Called before that step's :meth:`on_metrics`."""
 
     def on_event(self, kind: str, message: str, data: dict[str, object] | None = None) -> None:
         """Something worth recording: ``warning``, ``eval``, ``info``."""

@@ -284,6 +284,11 @@ class PPOConfig(TrainConfig):
     ``eval/scores``, ``eval/kl`` and ``eval/length_mean``."""
     eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
     """Use at most this many eval prompts (the first ones)."""
+    log_samples_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = 10
+    """Keep a sample of the rollouts (prompt, response, rewards, KL, length) at step 1 and every this many steps,
+    for ``GET /v1/jobs/{id}/samples`` and the dashboard (None: none kept)."""
+    log_samples: Annotated[int, Field(ge=1, le=256)] = 16
+    """Rollouts kept per logged step: the first ones of the batch."""
     collapse: CollapseConfig = Field(default_factory=CollapseConfig)
     """The collapse signals of MOSS-RLHF (arXiv:2307.04964 §2.1): what one does, and their thresholds. The flat
     names of earlier versions (``on_collapse``, ``collapse_window``, ...) are accepted and moved in here."""
@@ -395,6 +400,12 @@ class GRPOConfig(TrainConfig):
     ``eval/reward`` and its components by ``eval_reward`` (default: the training reward)."""
     eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
     """Use at most this many eval prompts (the first ones)."""
+
+    log_samples_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = 10
+    """Keep a sample of the rollouts (prompt, response, each reward component, KL, length) at step 1 and every this
+    many steps, for ``GET /v1/jobs/{id}/samples`` and the dashboard (None: none kept)."""
+    log_samples: Annotated[int, Field(ge=1, le=256)] = 16
+    """Samples kept per logged step: the first ones of the batch, whole groups first."""
 
     @property
     def micro_batch_size(self) -> int:

@@ -34,7 +34,7 @@ from engine.models import check_fits, frozen, load_causal_lm, prepare
 from engine.ops import truncate_after_stop
 from engine.ppo import kl_per_token
 from engine.rewards import RewardFunction, eval_metrics, samples_of
-from engine.rollout import base_of, response_logprobs
+from engine.rollout import base_of, logged_samples, response_logprobs, samples_due
 
 MB_STATS = ("pg", "kl", "clip", "akl")
 """Per-minibatch statistics: policy loss, KL loss term, clip fraction, approx-KL."""
@@ -119,7 +119,11 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         batch_rows = [rows[i] for i in batch_indices(len(rows), cfg.batch_size, spec.seed, step - 1)]
         own, scored = roll_out(batch_rows, G, reward, generator, ranks.share(cfg.batch_size))
         ex = gather_samples(own, ranks, tokenizer.pad_token_id)
+        components = RewardScores(ex.scores.tolist(), dict(zip(scored.components, ex.components.T.tolist(),
+                                                                 strict=True)))  # fmt: skip
         t_rollout = time.perf_counter() - t0
+        if samples_due(step, cfg.log_samples_every):  # what the policy says, kept every log_samples_every steps
+            callbacks.on_samples(step, grpo_samples(tokenizer, ex, components, cfg.log_samples))
 
         # 2. advantages from each group's scores; the KL to the reference in the reward or as a loss term
         kl = kl_per_token(ex.logprobs, ex.ref_logprobs, cfg.kl_estimator) * ex.mask  # (N, T)
@@ -144,8 +148,6 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
 
         # 4. metrics, eval, step end
         elapsed = time.perf_counter() - t0
-        components = RewardScores(ex.scores.tolist(), dict(zip(scored.components, ex.components.T.tolist(),
-                                                                 strict=True)))  # fmt: skip
         metrics = reward_metrics(components)
         metrics.update({
             "objective/kl": kl.sum(1).mean().item(),
@@ -222,6 +224,17 @@ def rollout(
         ),
         scored,
     )
+
+
+def grpo_samples(
+    tokenizer: PreTrainedTokenizerBase, ex: GroupRollout, scored: RewardScores, n: int
+) -> list[dict[str, Any]]:
+    """The first ``n`` samples of the batch (group by group) for :meth:`Callbacks.on_samples`, with each reward
+    component of ``scored`` (the whole batch's) and their ``total``."""
+    rewards = {**scored.components, "total": scored.total}
+    P = ex.query_responses.shape[1] - ex.mask.shape[1]
+    return logged_samples(tokenizer, ex.query_responses, ex.attention_mask, P, ex.logprobs, ex.ref_logprobs,
+                          rewards, n)  # fmt: skip
 
 
 def gather_samples(ex: GroupRollout, ranks: Ranks, pad_token_id: int) -> GroupRollout:

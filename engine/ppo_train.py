@@ -45,9 +45,11 @@ from engine.rollout import (
     Rollout,
     decode_responses,
     gather_rollout,
+    logged_samples,
     make_rollout,
     response_logprobs,
     response_values,
+    samples_due,
     text_scorer,
     token_scorer,
 )
@@ -217,6 +219,10 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         raw_scores, scores = shape_scores(ro, cfg, score_moments, stop_token_id)  # (B,), (B,)
         kl = kl_per_token(ro.logprobs, ro.ref_logprobs, cfg.kl_estimator) * mask  # (B, T)
         rewards, non_score_reward = compute_rewards(scores, kl, mask, kl_ctl.value)
+        graded = gathered(merged(recorded), ranks, device) if recorded else None  # graders: every rank's components
+        recorded.clear()
+        if samples_due(step, cfg.log_samples_every):
+            callbacks.on_samples(step, ppo_samples(tokenizer, ro, raw_scores, graded, cfg.log_samples))
 
         # 3. advantages and returns (GAE), advantages whitened over valid tokens
         advantages, returns = compute_gae(rewards, ro.values, mask, cfg.gamma, cfg.lam)
@@ -261,9 +267,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         metrics = ppo_metrics(exp, raw_scores, non_score_reward, mean_kl, kl_coef, stats, lr, t_rollout, elapsed)
         if ptx_rows:
             metrics["loss/ptx"] = _mean(stats["ptx"])
-        if recorded:  # the reward's components, over every rank's rows
-            metrics.update(reward_metrics(gathered(merged(recorded), ranks, device)))
-            recorded.clear()
+        if graded is not None:  # the reward's components, over every rank's rows
+            metrics.update(reward_metrics(graded))
         if eval_rows and run.eval_due(step, cfg.eval_every):
             metrics.update(evaluate(sample, tokenizer, eval_rows, cfg, spec.seed, device, eval_reward, stop_token_id))
             if eval_reward is None and recorded:  # a reward of graders: its scores of the held-out samples
@@ -296,6 +301,19 @@ def shape_scores(
     if cfg.score_clip is not None:
         scores = scores.clamp(-cfg.score_clip, cfg.score_clip)
     return raw_scores, scores
+
+
+def ppo_samples(
+    tokenizer: PreTrainedTokenizerBase, ro: Rollout, raw_scores: torch.Tensor, graded: RewardScores | None, n: int
+) -> list[dict[str, Any]]:
+    """The first ``n`` rollouts of the batch for :meth:`Callbacks.on_samples`: rewarded by a reward model with their
+    ``score`` (``raw_scores``, as ``objective/scores``), by graders with each component and their ``total``."""
+    if graded is None:
+        rewards: dict[str, Sequence[float]] = {"score": raw_scores.tolist()}
+    else:
+        rewards = {**graded.components, "total": graded.total}
+    return logged_samples(tokenizer, ro.query_responses, ro.attention_mask, ro.context_length, ro.logprobs,
+                          ro.ref_logprobs, rewards, n)  # fmt: skip
 
 
 def ptx_minibatch(

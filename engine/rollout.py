@@ -3,7 +3,7 @@
 Every forward here runs under ``torch.inference_mode()``; the training forwards are in ppo_train.py.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -117,6 +117,44 @@ def decode_responses(
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     stopped = ((responses == stop_token_id) & (attention_mask[:, P:] == 1)).any(1).tolist()
     return texts, stopped
+
+
+def samples_due(step: int, every: int | None) -> bool:
+    """Whether ``step`` keeps a sample of its rollouts: step 1 and every ``every`` steps (None: never)."""
+    return every is not None and (step == 1 or step % every == 0)
+
+
+def logged_samples(
+    tokenizer: PreTrainedTokenizerBase,
+    query_responses: torch.Tensor,
+    attention_mask: torch.Tensor,
+    P: int,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    rewards: Mapping[str, Sequence[float]],
+    n: int,
+) -> list[dict[str, Any]]:
+    """The first ``n`` rollout rows as :meth:`engine.callbacks.Callbacks.on_samples` takes them: the prompt as the
+    policy saw it (its unpadded query tokens, special tokens kept: a chat prompt shows its template), the response
+    (special tokens dropped), ``rewards`` by name, the summed log-ratio to the reference over the response tokens,
+    and their count. ``query_responses``, ``attention_mask``: (B, P + T); ``logprobs``, ``ref_logprobs``: (B, T)."""
+    qr, am = query_responses[:n], attention_mask[:n]
+    mask = am[:, P:]  # (n, T)
+    prompts = [tokenizer.decode(query[kept.bool()]) for query, kept in zip(qr[:, :P], am[:, :P], strict=True)]
+    responses = qr[:, P:].masked_fill(mask == 0, tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    kls = ((logprobs[:n] - ref_logprobs[:n]) * mask).sum(1).tolist()  # (n,)
+    lengths = mask.sum(1).tolist()  # (n,)
+    return [
+        {
+            "prompt": prompt,
+            "response": text,
+            "rewards": {name: float(values[i]) for name, values in rewards.items()},
+            "kl": float(kls[i]),
+            "length": int(lengths[i]),
+        }
+        for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True))
+    ]
 
 
 @torch.inference_mode()

@@ -56,6 +56,9 @@ class Forward(Callbacks):
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.inner.on_metrics(step, metrics)
 
+    def on_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        self.inner.on_samples(step, samples)
+
     def on_event(self, kind: str, message: str, data: dict[str, object] | None = None) -> None:
         self.inner.on_event(kind, message, data)
 

@@ -43,7 +43,7 @@ CHANNEL_ENV = "RLHF_RANK_CHANNEL"
 """The worker's socket, for the ranks."""
 KEY_ENV = "RLHF_RANK_CHANNEL_KEY"
 """Hex of the socket's authentication key (both ends prove they know it)."""
-CALLBACKS = frozenset({"on_start", "on_metrics", "on_event", "on_checkpoint", "should_stop"})
+CALLBACKS = frozenset({"on_start", "on_metrics", "on_samples", "on_event", "on_checkpoint", "should_stop"})
 """What rank 0 may call on the worker's callbacks."""
 STOP_GRACE_S = 30
 """How long torchrun has to stop its ranks once the worker is done with them."""

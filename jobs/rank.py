@@ -45,6 +45,9 @@ class WorkerCallbacks(Callbacks):
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self._call("on_metrics", step, metrics)
 
+    def on_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        self._call("on_samples", step, samples)
+
     def on_event(self, kind: str, message: str, data: dict[str, object] | None = None) -> None:
         self._call("on_event", kind, message, data)
 

@@ -164,6 +164,7 @@ class DbCallbacks(Callbacks):
             crud.set_job_progress(session, job_id=self.job_id, step=start_step, total_steps=total_steps)
             # Steps a lost worker got past its last checkpoint: computed again from here, so recorded again.
             discarded = crud.forget_metrics_after(session, job_id=self.job_id, step=start_step)
+            crud.forget_samples_after(session, job_id=self.job_id, step=start_step)
             if discarded:
                 message = (f"metrics of steps {discarded[0]}-{discarded[-1]} discarded: recorded after the last "
                            f"checkpoint (step {start_step}), they are computed again")  # fmt: skip
@@ -175,6 +176,10 @@ class DbCallbacks(Callbacks):
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
         values = self._finite(step, metrics)
         self._commit(lambda s: crud.add_metrics(s, job_id=self.job_id, step=step, metrics=values))
+
+    def on_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        kept = [dict(sample) for sample in samples]
+        self._commit(lambda s: crud.add_samples(s, job_id=self.job_id, step=step, samples=kept))
 
     def on_event(self, kind: str, message: str, data: dict[str, object] | None = None) -> None:
         values = dict(data or {})

@@ -7,6 +7,7 @@
 """
 
 from pathlib import Path
+from typing import Any
 
 from engine.callbacks import Callbacks, StopRequest
 
@@ -19,6 +20,7 @@ class Recorder(Callbacks):
         self.stop = stop
         self.starts: list[tuple[int, int]] = []
         self.metrics: dict[int, dict[str, float]] = {}
+        self.samples: dict[int, list[dict[str, Any]]] = {}
         self.events: list[tuple[str, str, dict[str, object] | None]] = []
         self.checkpoints: list[tuple[int, Path]] = []
         self.stop_requests: list[int] = []
@@ -29,6 +31,11 @@ class Recorder(Callbacks):
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
         assert step not in self.metrics, f"step {step} reported twice"
         self.metrics[step] = dict(metrics)
+
+    def on_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        assert step not in self.samples, f"samples of step {step} reported twice"
+        assert step not in self.metrics, f"samples of step {step} reported after its metrics"
+        self.samples[step] = [dict(sample) for sample in samples]
 
     def on_event(self, kind: str, message: str, data: dict[str, object] | None = None) -> None:
         self.events.append((kind, message, data))

@@ -429,8 +429,11 @@
     const alertCount = h('span', { class: 'badge alert-badge', hidden: true });
     const checkpointsBody = h('tbody');
     const tryBox = tryItBox(job, info);
-
     const spec = job.spec || {};
+    // PPO and GRPO keep some rollouts every log_samples_every steps (the types whose hyperparameters have it)
+    const sampled = spec.hyperparameters && 'log_samples_every' in spec.hyperparameters;
+    const samples = sampled ? samplesPanel(jobId, spec.hyperparameters.log_samples_every, controller.signal) : null;
+
     setView('job',
       h('div', { class: 'heading' },
         h('h1', {}, job.name || job.id),
@@ -448,6 +451,7 @@
       errorBox,
       h('div', { class: 'controls' }, buttons.pause, buttons.resume, buttons.cancel), controlError,
       h('h2', {}, 'Metrics'), chartGrid, more,
+      samples ? samples.el : null,
       h('div', { class: 'columns' },
         h('section', {}, h('h2', {}, 'Events ', alertCount),
           h('div', { class: 'scroll' }, h('table', { id: 'events', class: 'table small' },
@@ -579,11 +583,13 @@
       if (controller.signal.aborted) return;
     }
     refreshCheckpoints();
+    if (samples) samples.refresh();
     const view = $('#view');
     followStream(jobId, controller.signal, (kind, data) => {
       if (kind === 'metrics') {
         for (const [name, value] of Object.entries(data.metrics)) addPoint(name, data.step, value);
         onStep(data.step);
+        if (samples) samples.onStep(data.step);
       } else if (kind === 'event') {
         addEvent(data);
       } else if (kind === 'status') {
@@ -601,6 +607,105 @@
     }).then(() => {
       if (!controller.signal.aborted) { live.textContent = 'finished'; live.classList.remove('on'); }
     });
+  }
+
+  // --- rollout samples (GET /v1/jobs/{id}/samples) ----------------------------------------------------------------
+
+  // The "Samples" panel of a PPO or GRPO job: a step picker (the logged steps, following the newest unless another
+  // is picked), a histogram of the step's rewards and a table of its samples. onStep(step) is told of every
+  // step the live stream reports, and reloads once a step that keeps samples (step 1, every `every`) has come.
+  function samplesPanel(jobId, every, signal) {
+    const picker = h('select', { id: 'sample-step', 'aria-label': 'step', onchange: () => load(Number(picker.value)) });
+    const histogram = h('figure', { id: 'reward-histogram', class: 'chart histogram', 'data-bins': '0' });
+    const head = h('thead');
+    const body = h('tbody');
+    const note = h('p', { class: 'muted small', id: 'samples-note' },
+      every ? `Kept at step 1 and every ${every} steps; none yet.` : 'log_samples_every is off: no samples are kept.');
+    const el = h('section', { id: 'samples-panel', class: 'samples-panel' },
+      h('h2', {}, 'Samples ', picker), note,
+      h('div', { class: 'samples-body' }, histogram,
+        h('div', { class: 'scroll samples-scroll' }, h('table', { id: 'samples', class: 'table small samples' }, head, body))));
+    let newest = null;
+    let shown = null;
+    let loading = null;
+
+    async function load(step) {
+      const query = step === undefined || step === null ? '' : `?step=${step}`;
+      let page;
+      try {
+        page = await api('GET', `/v1/jobs/${jobId}/samples${query}`, undefined, signal);
+      } catch { return; } // kept as it was
+      newest = page.steps.length ? page.steps[page.steps.length - 1] : null;
+      shown = page.step;
+      fill(picker, ...page.steps.slice().reverse().map((s) =>
+        h('option', { value: s, selected: s === page.step }, s === newest ? `step ${s} (newest)` : `step ${s}`)));
+      picker.disabled = !page.steps.length;
+      note.hidden = page.steps.length > 0;
+      show(page);
+    }
+
+    function show(page) {
+      const names = page.reward_names;
+      fill(head, h('tr', {}, h('th', {}, '#'), h('th', {}, 'Prompt'), h('th', {}, 'Response'),
+        names.map((n) => h('th', { class: 'num' }, n)), h('th', { class: 'num' }, 'KL'), h('th', { class: 'num' }, 'Length')));
+      fill(body, page.data.map((sample) => h('tr', { 'data-position': sample.position },
+        h('td', { class: 'mono' }, sample.position),
+        h('td', { class: 'prompt' }, sample.prompt),
+        h('td', { class: 'response' }, sample.response),
+        names.map((n) => h('td', { class: 'num mono' }, fmt(sample.rewards[n]))),
+        h('td', { class: 'num mono' }, fmt(sample.kl)),
+        h('td', { class: 'num mono' }, sample.length))));
+      const name = ['total', 'score'].find((n) => names.includes(n)) || names[0];
+      drawHistogram(histogram, name, name ? page.data.map((sample) => sample.rewards[name]) : [], page.step);
+    }
+
+    // Reloads the newest step (when it was shown: a picked older step stays), one request at a time.
+    function refresh() {
+      if (loading) return loading;
+      const following = shown === null || shown === newest;
+      loading = load(following ? undefined : shown).finally(() => { loading = null; });
+      return loading;
+    }
+
+    function onStep(step) {
+      if (every && (step === 1 || step % every === 0) && step !== newest) refresh();
+    }
+
+    return { el, refresh, onStep };
+  }
+
+  // An SVG histogram of `values` (a step's rewards named `name`) in up to 10 equal bins.
+  function drawHistogram(figure, name, values, step) {
+    const W = 300, H = 150, left = 28, right = 8, top = 8, bottom = 22;
+    const finite = values.filter((v) => typeof v === 'number' && Number.isFinite(v));
+    const plot = svg('svg', { viewBox: `0 0 ${W} ${H}`, class: 'plot', role: 'img' });
+    const caption = h('figcaption', {}, h('span', { class: 'chart-name' }, name ? `${name} at step ${step}` : 'rewards'),
+      h('span', { class: 'chart-value' }, `${finite.length} samples`));
+    const children = [svg('rect', { x: left, y: top, width: W - left - right, height: H - top - bottom, class: 'frame' })];
+    let lo = Math.min(...finite), hi = Math.max(...finite);
+    const bins = finite.length ? (lo === hi ? 1 : Math.min(10, finite.length)) : 0;
+    const counts = new Array(bins).fill(0);
+    for (const v of finite) counts[Math.min(bins - 1, Math.floor(((v - lo) / (hi - lo || 1)) * bins))] += 1;
+    if (bins) {
+      const most = Math.max(...counts);
+      const width = (W - left - right) / bins;
+      counts.forEach((count, i) => {
+        const height = (count / most) * (H - top - bottom);
+        const from = lo + (i * (hi - lo)) / bins, to = lo + ((i + 1) * (hi - lo)) / bins;
+        const bar = svg('rect', { x: left + i * width + 1, y: H - bottom - height, width: Math.max(1, width - 2), height, class: 'bar' });
+        bar.append(svg('title', {}, `${tick(from)} – ${tick(to)}: ${count}`));
+        children.push(bar);
+      });
+      children.push(svg('text', { x: left - 4, y: top + 10, 'text-anchor': 'end', class: 'tick' }, String(most)));
+      children.push(svg('text', { x: left, y: H - 6, class: 'tick' }, tick(lo)));
+      children.push(svg('text', { x: W - right, y: H - 6, 'text-anchor': 'end', class: 'tick' }, tick(hi)));
+    } else {
+      children.push(svg('text', { x: (W + left) / 2, y: H / 2, class: 'empty', 'text-anchor': 'middle' }, 'no samples yet'));
+    }
+    fill(plot, ...children);
+    figure.dataset.bins = String(bins);
+    figure.dataset.step = String(step);
+    fill(figure, caption, plot);
   }
 
   // A reward grader of a spec in a line: its type and name (a multi grader: its components' keys); the whole

@@ -25,6 +25,7 @@ from jobs.store.models import (
     Job,
     Metric,
     Project,
+    Sample,
     utcnow,
 )
 
@@ -412,3 +413,50 @@ def forget_metrics_after(session: Session, *, job_id: str, step: int) -> list[in
     if steps:
         session.execute(delete(Metric).where(*after))
     return steps
+
+
+# --- rollout samples ---------------------------------------------------------------------------
+
+SAMPLE_TEXT_CHARS = 4000
+"""A sample's prompt and response are kept up to this many characters (the end cut, marked by an ellipsis)."""
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= SAMPLE_TEXT_CHARS else text[: SAMPLE_TEXT_CHARS - 1] + "…"
+
+
+def add_samples(session: Session, *, job_id: str, step: int, samples: Sequence[dict[str, Any]]) -> None:
+    """Record one step's rollout samples (``Callbacks.on_samples``' dicts), replacing those the step had: a job
+    resumed from an earlier checkpoint samples the step anew."""
+    session.execute(delete(Sample).where(Sample.job_id == job_id, Sample.step == step))
+    session.add_all(
+        Sample(
+            job_id=job_id,
+            step=step,
+            position=position,
+            prompt=_cut(str(sample["prompt"])),
+            response=_cut(str(sample["response"])),
+            rewards={name: float(value) for name, value in sample["rewards"].items()},
+            kl=float(sample["kl"]),
+            length=int(sample["length"]),
+        )
+        for position, sample in enumerate(samples)
+    )
+
+
+def sample_steps(session: Session, *, job_id: str) -> list[int]:
+    """The steps with samples, ascending."""
+    stmt = select(Sample.step).where(Sample.job_id == job_id).distinct().order_by(Sample.step)
+    return list(session.scalars(stmt))
+
+
+def list_samples(session: Session, *, job_id: str, step: int) -> list[Sample]:
+    """The samples of ``step``, in the batch's order."""
+    stmt = select(Sample).where(Sample.job_id == job_id, Sample.step == step).order_by(Sample.position)
+    return list(session.scalars(stmt))
+
+
+def forget_samples_after(session: Session, *, job_id: str, step: int) -> None:
+    """Delete the samples of steps after ``step``: like their metrics (:func:`forget_metrics_after`), a job resuming
+    from the checkpoint of ``step`` samples them anew."""
+    session.execute(delete(Sample).where(Sample.job_id == job_id, Sample.step > step))

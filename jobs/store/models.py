@@ -150,3 +150,25 @@ class Checkpoint(Base):
     """Folder relative to the artifacts folder."""
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Sample(Base):
+    """A rollout a PPO or GRPO job kept at a logged step (``log_samples_every``), for reading what the policy says."""
+
+    __tablename__ = "samples"
+    __table_args__ = (Index("ix_samples_job_step", "job_id", "step", "position"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int]
+    position: Mapped[int]
+    """Its place among the step's samples (the batch's order)."""
+    prompt: Mapped[str] = mapped_column(Text)
+    response: Mapped[str] = mapped_column(Text)
+    rewards: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    """Each reward component's score by name (``score`` for a reward model; graders: each and ``total``)."""
+    kl: Mapped[float] = mapped_column(Float)
+    """Summed log-ratio of policy to reference over the response."""
+    length: Mapped[int] = mapped_column(Integer)
+    """Response tokens."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -81,6 +81,10 @@ class Db:
         with self.session() as session:
             crud.add_metrics(session, job_id=job_id, step=step, metrics=metrics)
 
+    def samples(self, job_id: str, step: int, samples: list[dict[str, Any]]) -> None:
+        with self.session() as session:
+            crud.add_samples(session, job_id=job_id, step=step, samples=samples)
+
     def event(self, job_id: str, message: str, kind: str = "info", data: dict[str, Any] | None = None) -> None:
         with self.session() as session:
             crud.add_event(session, job_id=job_id, kind=kind, message=message, data=data)

@@ -25,7 +25,7 @@ DESIGN_ROUTES = {
     ("post", "/v1/jobs/{job_id}/cancel"), ("post", "/v1/jobs/{job_id}/pause"), ("post", "/v1/jobs/{job_id}/resume"),
     ("get", "/v1/jobs/{job_id}/metrics"), ("get", "/v1/jobs/{job_id}/events"), ("get", "/v1/jobs/{job_id}/stream"),
     ("get", "/v1/jobs/{job_id}/checkpoints"), ("post", "/v1/jobs/{job_id}/generate"),
-    ("get", "/v1/jobs/{job_id}/tensorboard"),
+    ("get", "/v1/jobs/{job_id}/tensorboard"), ("get", "/v1/jobs/{job_id}/samples"),
     ("get", "/v1/job_types"),
     ("get", "/healthz"), ("get", "/readyz"),
     # OpenAI-compatible (issue 7).

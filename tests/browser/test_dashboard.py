@@ -1,9 +1,9 @@
 """The web dashboard in a real headless browser (Debian's chromium, driven by Playwright) against a real
 ``rlhf serve``: sign in, create a PPO job through the form (after a 422 that names its field), watch its charts
-grow from the live stream, pause it, and sample it with the "try it" box; create a GRPO job rewarded by a grader
-(``reward``) instead of a reward model. Everything that differs by job type (the form's types, datasets, model
-pickers, reward rows and example reward, a job's charts) comes from ``GET /v1/job_types``: a type the server adds
-is offered with no change to the dashboard.
+grow from the live stream, read its rollout samples, pause it, and sample it with the "try it" box; create a GRPO
+job rewarded by a grader (``reward``) instead of a reward model. Everything that differs by job type (the form's
+types, datasets, model pickers, reward rows and example reward, a job's charts) comes from ``GET /v1/job_types``: a
+type the server adds is offered with no change to the dashboard.
 
 Outside CI the test skips when chromium or Playwright is missing; under ``CI=true`` it fails instead (.ci/run
 installs chromium). ``RLHF_SCREENSHOT=docs/dashboard.png`` also writes the job page's screenshot there.
@@ -39,7 +39,8 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 TIMEOUT_MS = 60_000
-PPO_HYPERPARAMETERS = {"total_steps": 400, "batch_size": 8, "mini_batch_size": 8, "response_length": 12}
+PPO_HYPERPARAMETERS = {"total_steps": 400, "batch_size": 8, "mini_batch_size": 8, "response_length": 12,
+                       "log_samples_every": 3, "log_samples": 6}  # fmt: skip
 
 
 def chromium() -> str:
@@ -224,6 +225,30 @@ def test_dashboard_drives_a_ppo_job(browser: Any, server: tuple[Client, str, Pat
     assert page.inner_text("#live") == "live"
     assert charted(page) == types["ppo"]["metrics"]  # the type's headline metrics, in its order
     page.wait_for_selector("#checkpoints tr[data-step]")
+    # The rollout samples beside the curves: a logged step's prompts, responses, scores, KL and lengths, a histogram
+    # of its scores, and the step picker following the newest logged step as the stream brings it (1, 3, 6, ...).
+    page.wait_for_selector("#samples tbody tr[data-position]")
+    page.wait_for_function("() => document.querySelectorAll('#sample-step option').length >= 2", timeout=120_000)
+    page.wait_for_function(
+        "() => document.querySelector('#sample-step').value === document.querySelector('#sample-step option').value"
+    )
+    shown_step = int(page.input_value("#sample-step"))
+    served = c.request("GET", f"/v1/jobs/{ppo_id}/samples", params={"step": shown_step})
+    assert served["reward_names"] == ["score"] and shown_step in (3, 6, 9, 12) and served["steps"][0] == 1
+    page.wait_for_function("n => document.querySelectorAll('#samples tbody tr').length === n", arg=6)
+    headers = page.eval_on_selector_all("#samples thead th", "els => els.map((e) => e.textContent)")
+    assert headers == ["#", "Prompt", "Response", "score", "KL", "Length"]
+    cells = page.eval_on_selector_all("#samples tbody tr:first-child td", "els => els.map((e) => e.textContent)")
+    first = served["data"][0]
+    assert cells[1:3] == [first["prompt"], first["response"]] and first["prompt"].strip()
+    assert cells[5] == str(first["length"])
+    assert int(page.get_attribute("#reward-histogram", "data-bins")) >= 1
+    assert page.locator("#reward-histogram rect.bar").count() >= 1
+    assert f"score at step {shown_step}" in page.inner_text("#reward-histogram figcaption")
+    page.select_option("#sample-step", "1")  # an older step, picked: shown until another is picked
+    page.wait_for_selector('#reward-histogram[data-step="1"]')
+    step_1 = c.request("GET", f"/v1/jobs/{ppo_id}/samples", params={"step": 1})["data"]
+    assert page.inner_text("#samples tbody tr:first-child td.response") == step_1[0]["response"]
     # A training-health alert (a warning event whose data names the signal) shows as a banner, live.
     with session_scope(f"sqlite:///{data_dir / 'rlhf.db'}") as session:
         crud.add_event(

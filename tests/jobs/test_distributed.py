@@ -138,6 +138,10 @@ def test_grpo_in_two_processes_scores_every_group_and_keeps_the_ranks_in_step(tm
         assert metrics["dist/weight_spread"] == 0, step
         assert metrics["groups/tied_fraction"] * 4 == round(metrics["groups/tied_fraction"] * 4)  # of 4 groups
         assert metrics["reward/mean"] * 16 == pytest.approx(round(metrics["reward/mean"] * 16))  # of 16 samples
+    # rank 0 reports the samples of the whole gathered batch (both ranks' groups) over the worker's socket
+    assert list(recorder.samples) == [1] and len(recorder.samples[1]) == 16
+    totals = [sample["rewards"]["total"] for sample in recorder.samples[1]]
+    assert sum(totals) / 16 == pytest.approx(recorder.metrics[1]["reward/mean"])
 
 
 def test_a_failing_rank_fails_the_job_with_its_error_code(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 The app runs on a migrated SQLite database in a temporary folder, with the Celery calls replaced by fakes (no
 broker; the fake "worker" finishes a queued job at once), and requests carry a valid API key (but for the
 negative cases that drop the header: those must be 401). The project holds a job of each kind with
-checkpoints, metrics and events, and a file; about half the generated requests for ``/v1/jobs/{job_id}/…`` and
+checkpoints, metrics, events and samples, and a file; about half the generated requests for ``/v1/jobs/{job_id}/…`` and
 ``/v1/files/{file_id}`` have their id replaced by one of those, and half the valid uploads get valid JSONL, so
 the fuzzer reaches the routes' success paths, not only their 404s and 422s. Each operation gets
 ``MAX_EXAMPLES`` generated requests, valid and invalid ones (schemathesis' positive and negative modes), then
@@ -116,6 +116,8 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
         db.event(job_id, "hello", kind="info", data={"n": 1})
         db.checkpoint(job_id, 1)
         db.checkpoint(job_id, 2, kept=(1,))
+        sample = {"prompt": "p", "response": "r", "rewards": {"score": 0.5}, "kl": 0.1, "length": 1}
+        db.samples(job_id, 2, [sample, sample])
         jobs.append(job_id)
     with db.session() as session:
         row = crud.create_file(

@@ -71,7 +71,7 @@ def test_another_projects_objects_are_invisible_on_every_route(
 
         for job_id in a_jobs:
             missing("GET", f"/v1/jobs/{job_id}", "/v1/jobs/{job_id}")
-            for sub in ("metrics", "events", "checkpoints", "stream", "tensorboard"):
+            for sub in ("metrics", "events", "checkpoints", "stream", "tensorboard", "samples"):
                 missing("GET", f"/v1/jobs/{job_id}/{sub}", f"/v1/jobs/{{job_id}}/{sub}")
             for action in ("cancel", "pause", "resume"):
                 missing("POST", f"/v1/jobs/{job_id}/{action}", f"/v1/jobs/{{job_id}}/{action}")
