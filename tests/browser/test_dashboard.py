@@ -234,7 +234,8 @@ def test_dashboard_drives_a_ppo_job(browser: Any, server: tuple[Client, str, Pat
     )
     shown_step = int(page.input_value("#sample-step"))
     served = c.request("GET", f"/v1/jobs/{ppo_id}/samples", params={"step": shown_step})
-    assert served["reward_names"] == ["score"] and shown_step in (3, 6, 9, 12) and served["steps"][0] == 1
+    assert served["reward_names"] == ["score"] and served["steps"][0] == 1
+    assert shown_step in served["steps"] and shown_step % 3 == 0  # a logged step after the first
     page.wait_for_function("n => document.querySelectorAll('#samples tbody tr').length === n", arg=6)
     headers = page.eval_on_selector_all("#samples thead th", "els => els.map((e) => e.textContent)")
     assert headers == ["#", "Prompt", "Response", "score", "KL", "Length"]

@@ -66,4 +66,6 @@ def test_a_resumed_job_forgets_the_samples_past_its_checkpoint(
     assert sorted(stored(settings, job_id)) == [1, 10]
     callbacks.on_samples(20, samples(20, count=1))
     assert [row[1] for row in stored(settings, job_id)[20]] == ["prompt 20.0"]
+    with session_scope(settings.resolved_database_url) as session:  # no job left running for the lease tests
+        assert crud.transition(session, job_id=job_id, from_statuses=("running",), to="cancelled")
     assert JobSpec.model_validate(PPO_SPEC).config.log_samples_every == 10  # type: ignore[attr-defined]
