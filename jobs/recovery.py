@@ -24,13 +24,7 @@ def recover_once(settings: Settings, enqueue: Callable[[str, str], None]) -> lis
     the ids requeued. A job that cannot be sent is logged, and the others are still sent."""
     with session_scope(settings.resolved_database_url) as session:
         requeued = crud.recover_expired(session, max_attempts=settings.max_attempts)
-    for job_id, queue in requeued:  # after the commit
-        log.warning("job %s lost its worker; requeued", job_id)
-        try:
-            enqueue(job_id, queue)
-        except Exception:
-            log.exception("could not enqueue recovered job %s", job_id)
-    return [job_id for job_id, _ in requeued]
+    return _send(requeued, enqueue, "lost its worker; requeued", "recovered", logging.WARNING)
 
 
 def release_once(settings: Settings, enqueue: Callable[[str, str], None]) -> list[str]:
@@ -38,13 +32,21 @@ def release_once(settings: Settings, enqueue: Callable[[str, str], None]) -> lis
     returns their ids. Called after a job ends, and by the sweeps."""
     with session_scope(settings.resolved_database_url) as session:
         queued = release_waiting(session)
-    for job_id, queue in queued:  # after the commit
-        log.info("job %s: the jobs it waited for succeeded; queued", job_id)
+    return _send(queued, enqueue, "the jobs it waited for succeeded; queued", "released", logging.INFO)
+
+
+def _send(
+    jobs: list[tuple[str, str]], enqueue: Callable[[str, str], None], logged: str, which: str, level: int
+) -> list[str]:
+    """Send each (job id, queue), after the commit that queued them; one the broker refuses is logged and the others
+    are still sent. Returns the ids."""
+    for job_id, queue in jobs:
+        log.log(level, "job %s %s", job_id, logged)
         try:
             enqueue(job_id, queue)
         except Exception:
-            log.exception("could not enqueue released job %s", job_id)
-    return [job_id for job_id, _ in queued]
+            log.exception("could not enqueue %s job %s", which, job_id)
+    return [job_id for job_id, _ in jobs]
 
 
 class RecoveryThread(threading.Thread):
