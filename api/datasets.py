@@ -8,7 +8,7 @@ reader (lines split at LF only, ``engine.rows.split_lines``), so a file the API 
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from engine.rows import DatasetError, is_chat, parse_line
+from engine.rows import FINE_TUNE, DatasetError, dataset_kind, fine_tune_kind, is_chat, parse_json, validate_row
 
 
 class InvalidFile(ValueError):
@@ -21,12 +21,21 @@ class Summary:
     """Rows (blank lines not counted)."""
     chat: bool
     """Whether any row holds chat messages (a model needs a chat template to train on them)."""
+    kind: str
+    """What the rows are: sft, preference or prompts."""
 
 
-def _check_row(text: str, purpose: str, number: int) -> bool:
-    """Whether the row is a chat row; raises InvalidFile."""
+_METHODS = {"sft": "supervised", "preference": "dpo", "prompts": "reinforcement"}
+"""The OpenAI fine-tuning method each kind of row is for."""
+
+
+def _check_row(text: str, kind: str | None, number: int) -> tuple[bool, str]:
+    """Whether the row is a chat row, and its kind; raises InvalidFile. ``kind`` None: a row of OpenAI's
+    fine-tuning formats, whose kind the row tells."""
     try:
-        return is_chat(parse_line(text, purpose, number))
+        row = parse_json(text, number)
+        found = fine_tune_kind(row, number) if kind is None else kind
+        return is_chat(validate_row(row, found, number)), found
     except DatasetError as e:
         raise InvalidFile(str(e)) from None
 
@@ -41,12 +50,15 @@ def count_rows(stream: BinaryIO, purpose: str, max_line_bytes: int = MAX_LINE_BY
 
 
 def summarize(stream: BinaryIO, purpose: str, max_line_bytes: int = MAX_LINE_BYTES) -> Summary:
-    """Rows of a valid ``purpose`` dataset, and whether they are chat rows; raises InvalidFile at the first bad
-    line.
+    """Rows of a valid ``purpose`` dataset, whether they are chat rows, and their kind; raises InvalidFile at the
+    first bad line. A ``fine-tune`` file's kind is its first row's (supervised, DPO or reinforcement rows), and
+    every row must be of that kind.
 
     Blank lines are skipped; a file with no rows is invalid. A line longer than ``max_line_bytes`` (its
     LF or CRLF ending not counted) is refused without reading more of it than the cap.
     """
+    detect = purpose == FINE_TUNE
+    kind: str | None = None if detect else dataset_kind(purpose)
     number = rows = 0
     chat = False
     while raw := stream.readline(max_line_bytes + 2):  # split at b"\n" only, as the engine's split_lines
@@ -59,8 +71,16 @@ def summarize(stream: BinaryIO, purpose: str, max_line_bytes: int = MAX_LINE_BYT
         except UnicodeDecodeError:
             raise InvalidFile(f"line {number}: not valid UTF-8 text") from None
         if line.strip():
-            chat |= _check_row(line, purpose, number)
+            is_chat_row, found = _check_row(line, None if detect else kind, number)
+            if kind is None:
+                kind = found
+            elif found != kind:  # only a fine-tune file's rows can differ
+                raise InvalidFile(
+                    f"line {number}: a {_METHODS[found]} row in a file of {_METHODS[kind]} rows (its first row's "
+                    "kind); a fine-tune file holds rows of one method"
+                )
+            chat |= is_chat_row
             rows += 1
-    if rows == 0:
+    if rows == 0 or kind is None:
         raise InvalidFile("the file has no rows")
-    return Summary(rows, chat)
+    return Summary(rows, chat, kind)

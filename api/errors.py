@@ -1,4 +1,5 @@
-"""One error envelope for every failure: ``{"error": {"code", "message", "param"}}``, as OpenAI's API answers.
+"""One error envelope for every failure: ``{"error": {"code", "message", "param", "type"}}``, as OpenAI's API
+answers.
 
 Routes raise :class:`ApiError`; the handlers installed by :func:`install_error_handlers` also turn
 request validation errors, Starlette's HTTP errors and unexpected exceptions into the envelope.
@@ -46,6 +47,8 @@ class ErrorDetail(BaseModel):
     """What went wrong, for people."""
     param: str | None = None
     """The request field at fault, as a dotted path (e.g. ``hyperparameters.learning_rate``), if any."""
+    type: str = "invalid_request_error"
+    """OpenAI's error class: ``invalid_request_error``, ``authentication_error`` (401) or ``server_error`` (5xx)."""
 
 
 class ErrorResponse(BaseModel):
@@ -105,7 +108,9 @@ def not_found(kind: str, object_id: str) -> ApiError:
 def error_response(
     status_code: int, code: str, message: str, param: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    body = ErrorResponse(error=ErrorDetail(code=code, message=message, param=param))
+    kind = "authentication_error" if status_code == 401 else "server_error" if status_code >= 500 else None
+    detail = ErrorDetail(code=code, message=message, param=param, **({"type": kind} if kind else {}))
+    body = ErrorResponse(error=detail)
     return JSONResponse(body.model_dump(), status_code=status_code, headers=headers)
 
 

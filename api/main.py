@@ -14,7 +14,19 @@ from fastapi.openapi.utils import get_openapi
 from api.deps import Enqueue, Generate, reject_unknown_query
 from api.errors import error_responses, install_error_handlers
 from api.queue import celery_enqueue, celery_generate
-from api.routes import dashboard, files, generate, health, job_types, jobs, pipelines, samples, stream, tensorboard
+from api.routes import (
+    dashboard,
+    files,
+    fine_tuning,
+    generate,
+    health,
+    job_types,
+    jobs,
+    pipelines,
+    samples,
+    stream,
+    tensorboard,
+)
 from api.routes import openai as openai_routes
 from api.routes.files import remove_stale_uploads
 from api.uploads import BodySizeLimit
@@ -101,7 +113,18 @@ def create_app(
     v1 = APIRouter(
         prefix="/v1", responses=error_responses(401, 404, 413, 422), dependencies=[Depends(reject_unknown_query)]
     )
-    for module in (files, job_types, jobs, pipelines, samples, stream, tensorboard, generate, openai_routes):
+    for module in (
+        files,
+        job_types,
+        jobs,
+        pipelines,
+        samples,
+        stream,
+        tensorboard,
+        generate,
+        openai_routes,
+        fine_tuning,
+    ):
         v1.include_router(module.router)
     app.include_router(v1)
     app.include_router(health.router)

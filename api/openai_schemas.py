@@ -1,6 +1,6 @@
 """Request and response bodies of the OpenAI-compatible endpoints (``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions``): the fields of OpenAI's API that this service can honour, under the caps of
-``POST /v1/jobs/{id}/generate``.
+``/v1/chat/completions``, ``/v1/fine_tuning/jobs``): the fields of OpenAI's API that this service can honour, under
+the caps of ``POST /v1/jobs/{id}/generate``.
 
 Unknown fields are refused (422), as everywhere in this API. OpenAI fields that change nothing at their
 neutral value (``frequency_penalty: 0``, ``logprobs: null``, ``echo: false``, ``user`` …) are accepted, so
@@ -9,7 +9,7 @@ clients that send them work; a value this service cannot honour is a 422 naming 
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from api.schemas import MAX_INT32, MAX_NEW_TOKENS, MAX_PROMPT_CHARS, MAX_PROMPTS
 
@@ -245,3 +245,232 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+# --- fine-tuning (/v1/fine_tuning/jobs) ------------------------------------------------------------------------
+# The objects of OpenAI's fine-tuning API as its Python SDK types them (openai/types/fine_tuning/). Requests refuse
+# unknown fields; "auto" (or an absent value) lets the service choose from the training file's size.
+
+
+def _auto(value: Any) -> Any:
+    return None if value == "auto" else value
+
+
+Auto = BeforeValidator(_auto)
+"""``"auto"`` read as None (absent): the service chooses."""
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class SupervisedHyperparameters(_Request):
+    batch_size: Annotated[Annotated[int, Field(ge=1, le=65_536)] | None, Auto] = None
+    """Examples per step; auto: about 0.2% of the training file, 1 to 256."""
+    learning_rate_multiplier: Annotated[Annotated[float, Field(gt=0, le=1e6)] | None, Auto] = None
+    """Scales the job type's default learning rate (sft 1e-3, dpo 1e-6, grpo 1e-5); auto: 1."""
+    n_epochs: Annotated[Annotated[int, Field(ge=1, le=1000)] | None, Auto] = None
+    """Passes over the training file; auto: 3, more for a small file (at least 100 examples seen, at most 25
+    epochs), fewer for a large one (at most 25,000 examples)."""
+
+
+class DpoHyperparameters(SupervisedHyperparameters):
+    beta: Annotated[Annotated[float, Field(gt=0, le=100)] | None, Auto] = None
+    """Strength of the pull towards the reference policy; auto: 0.1."""
+
+
+class ReinforcementHyperparameters(SupervisedHyperparameters):
+    compute_multiplier: Annotated[Annotated[float, Field(gt=0, le=128)] | None, Auto] = None
+    """Scales the responses sampled per prompt (8 at 1; at least 2)."""
+    eval_interval: Annotated[Annotated[int, Field(ge=1, le=10_000_000)] | None, Auto] = None
+    """Steps between evaluations on the validation file; auto: once an epoch."""
+    eval_samples: Annotated[Annotated[int, Field(ge=1, le=1_000_000)] | None, Auto] = None
+    """Validation prompts an evaluation samples (the first ones); auto: up to 256."""
+    reasoning_effort: Literal["default"] | None = None
+    """Only ``default``: the models trained here have no reasoning-effort setting."""
+
+
+class SupervisedMethod(_Request):
+    hyperparameters: SupervisedHyperparameters | None = None
+
+
+class DpoMethod(_Request):
+    hyperparameters: DpoHyperparameters | None = None
+
+
+class ReinforcementMethod(_Request):
+    grader: dict[str, Any]
+    """The reward: an OpenAI grader (``string_check``, ``text_similarity``, ``multi``; ``python`` names a function
+    the server allows) or this service's ``model`` and ``http`` rewards; see the job spec's ``reward``."""
+    hyperparameters: ReinforcementHyperparameters | None = None
+
+
+class Method(_Request):
+    type: Literal["supervised", "dpo", "reinforcement"]
+    supervised: SupervisedMethod | None = None
+    dpo: DpoMethod | None = None
+    reinforcement: ReinforcementMethod | None = None
+
+    @model_validator(mode="after")
+    def _one_method(self) -> "Method":
+        for name in ("supervised", "dpo", "reinforcement"):
+            if name != self.type and getattr(self, name) is not None:
+                raise ValueError(f"{name} is given, but the method's type is {self.type}")
+        if self.type == "reinforcement" and self.reinforcement is None:
+            raise ValueError("reinforcement (with its grader) is required for the reinforcement method")
+        return self
+
+
+class WandbIntegration(_Request):
+    type: Literal["wandb"]
+    wandb: dict[str, Any]
+
+
+class FineTuningJobCreate(_Request):
+    """``POST /v1/fine_tuning/jobs``."""
+
+    model: Annotated[str, Field(min_length=1, max_length=500)]
+    """The model to fine-tune, named as a job spec names one: a model under the server's model root, a hub id the
+    server may download, ``job:<id>`` or ``job:<id>@<step>`` (an earlier job's ``fine_tuned_model`` or checkpoint)."""
+    training_file: Annotated[str, Field(min_length=1, max_length=64)]
+    """A ``file-`` id: a file uploaded with purpose ``fine-tune`` in the method's format (or a dataset of the kind
+    the method reads)."""
+    validation_file: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    hyperparameters: SupervisedHyperparameters | None = None
+    """Deprecated by OpenAI in favour of ``method``: the supervised method's hyperparameters."""
+    method: Method | None = None
+    """``supervised`` (the default), ``dpo`` or ``reinforcement``."""
+    seed: Annotated[int, Field(ge=0, le=MAX_INT32)] | None = None
+    """Seeds the job (drawn at random when absent)."""
+    suffix: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    """Becomes the job's ``name``."""
+    metadata: dict[str, str] | None = None
+    integrations: list[WandbIntegration] | None = None
+    """Not supported (an empty list is accepted): use the job spec's ``tracking`` through ``/v1/jobs``, or the
+    server's ``RLHF_TRACKING``."""
+
+    @model_validator(mode="after")
+    def _where_hyperparameters_go(self) -> "FineTuningJobCreate":
+        if self.hyperparameters is not None and self.method is not None:
+            raise ValueError("hyperparameters: give them in method.<type>.hyperparameters when method is given")
+        if self.integrations:
+            raise ValueError(
+                "integrations: not supported here; switch on W&B, MLflow or TensorBoard with a job spec's tracking "
+                "(POST /v1/jobs) or the server's RLHF_TRACKING"
+            )
+        return self
+
+    @property
+    def method_type(self) -> Literal["supervised", "dpo", "reinforcement"]:
+        return "supervised" if self.method is None else self.method.type
+
+    def method_hyperparameters(self) -> SupervisedHyperparameters:
+        """The given hyperparameters of the method (all absent: each auto)."""
+        if self.method is None:
+            return self.hyperparameters or SupervisedHyperparameters()
+        given = getattr(self.method, self.method.type)
+        defaults = {"supervised": SupervisedHyperparameters, "dpo": DpoHyperparameters}
+        if given is None or given.hyperparameters is None:
+            return defaults.get(self.method.type, ReinforcementHyperparameters)()
+        hyperparameters: SupervisedHyperparameters = given.hyperparameters
+        return hyperparameters
+
+
+class FineTuningError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class Hyperparameters(BaseModel):
+    batch_size: int | None = None
+    learning_rate_multiplier: float | None = None
+    n_epochs: int | float | None = None
+
+
+class MethodObject(BaseModel):
+    """A job's ``method``, every hyperparameter as chosen."""
+
+    type: Literal["supervised", "dpo", "reinforcement"]
+    supervised: SupervisedMethod | None = None
+    dpo: DpoMethod | None = None
+    reinforcement: ReinforcementMethod | None = None
+
+
+class FineTuningJob(BaseModel):
+    """OpenAI's ``fine_tuning.job``: one of this service's sft, dpo or grpo jobs."""
+
+    id: str
+    """The job's id, the same in ``/v1/jobs``."""
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    error: FineTuningError | None = None
+    fine_tuned_model: str | None = None
+    """``job:<id>`` once the job succeeded: a model of ``/v1/chat/completions`` and ``/v1/completions``."""
+    finished_at: int | None = None
+    hyperparameters: Hyperparameters
+    model: str
+    organization_id: str
+    """The project's id."""
+    result_files: list[str] = []
+    seed: int
+    status: Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled", "paused"]
+    trained_tokens: int | None = None
+    """Not counted (always null)."""
+    training_file: str
+    validation_file: str | None = None
+    estimated_finish: int | None = None
+    integrations: list[WandbIntegration] | None = None
+    metadata: dict[str, str] | None = None
+    method: MethodObject
+
+
+class FineTuningJobs(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FineTuningJob]
+    has_more: bool
+
+
+class FineTuningEvent(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: Literal["info", "warn", "error"]
+    message: str
+    data: dict[str, Any] | None = None
+    type: Literal["message", "metrics"] = "message"
+
+
+class FineTuningEvents(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FineTuningEvent]
+    has_more: bool
+
+
+class CheckpointMetrics(BaseModel):
+    step: float | None = None
+    train_loss: float | None = None
+    train_mean_token_accuracy: float | None = None
+    valid_loss: float | None = None
+    valid_mean_token_accuracy: float | None = None
+    full_valid_loss: float | None = None
+    full_valid_mean_token_accuracy: float | None = None
+
+
+class FineTuningCheckpoint(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str
+    """``job:<id>@<step>``: a model of ``/v1/chat/completions``."""
+    fine_tuning_job_id: str
+    metrics: CheckpointMetrics
+    step_number: int
+
+
+class FineTuningCheckpoints(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FineTuningCheckpoint]
+    has_more: bool
+    first_id: str | None = None
+    last_id: str | None = None

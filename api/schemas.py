@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
 from engine.config import JOB_TYPES
-from engine.rows import KIND_ALIASES, ROW_FIELDS
+from engine.rows import FINE_TUNE, KIND_ALIASES, ROW_FIELDS
 from jobs.store.models import Checkpoint, Event, File, Job, Sample
 
 
@@ -45,9 +45,9 @@ def _one_of(known: list[str], what: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-_PURPOSES = [*ROW_FIELDS, *KIND_ALIASES]
+_PURPOSES = [*ROW_FIELDS, *KIND_ALIASES, FINE_TUNE]
 Purpose = Annotated[str, _one_of(_PURPOSES, "purpose"), WithJsonSchema({"type": "string", "enum": _PURPOSES})]
-"""A dataset kind (engine.rows), or one of its earlier names ``rm`` and ``ppo``."""
+"""A dataset kind (engine.rows), one of its earlier names ``rm`` and ``ppo``, or ``fine-tune`` (OpenAI's formats)."""
 JobType = Annotated[
     str, _one_of(list(JOB_TYPES), "job type"), WithJsonSchema({"type": "string", "enum": list(JOB_TYPES)})
 ]
@@ -65,6 +65,8 @@ class FilePublic(BaseModel):
     object: Literal["file"] = "file"
     filename: str
     purpose: Purpose
+    kind: str
+    """What the rows are: sft, preference or prompts (the purpose, or for a fine-tune file, its rows' kind)."""
     bytes: int
     rows: int
     chat: bool = False
@@ -77,6 +79,7 @@ class FilePublic(BaseModel):
             id=row.id,
             filename=row.filename,
             purpose=row.purpose,
+            kind=row.kind,
             bytes=row.bytes,
             rows=row.rows,
             chat=row.chat,
@@ -84,8 +87,47 @@ class FilePublic(BaseModel):
         )
 
 
+class FineTuneFile(BaseModel):
+    """A ``fine-tune`` file, as OpenAI's API answers one (``created_at`` in Unix seconds), with this service's
+    ``kind``, ``rows`` and ``chat`` besides."""
+
+    id: str
+    object: Literal["file"] = "file"
+    filename: str
+    purpose: Literal["fine-tune"] = "fine-tune"
+    bytes: int
+    created_at: int
+    """Unix seconds."""
+    status: Literal["processed"] = "processed"
+    """Always ``processed``: a file is validated in full before it is stored."""
+    status_details: None = None
+    expires_at: None = None
+    """Files do not expire."""
+    kind: str
+    """What the rows are: ``sft`` (supervised), ``preference`` (dpo) or ``prompts`` (reinforcement)."""
+    rows: int
+    chat: bool
+
+    @classmethod
+    def of(cls, row: File) -> "FineTuneFile":
+        return cls(
+            id=row.id, filename=row.filename, bytes=row.bytes, created_at=unix(row.created_at), kind=row.kind,
+            rows=row.rows, chat=row.chat,
+        )  # fmt: skip
+
+
+def file_object(row: File) -> "FilePublic | FineTuneFile":
+    """A file as the API answers it: OpenAI's object for a fine-tune file, this service's for a dataset."""
+    return FineTuneFile.of(row) if row.purpose == FINE_TUNE else FilePublic.of(row)
+
+
+def unix(value: datetime) -> int:
+    """A stored timestamp (UTC) in Unix seconds, as OpenAI's objects carry them."""
+    return int(_as_utc(value).timestamp())
+
+
 class FilesPublic(BaseModel):
-    data: list[FilePublic]
+    data: list[FilePublic | FineTuneFile]
     has_more: bool
 
 

@@ -536,6 +536,8 @@ class JobTypeInfo:
     reward_model: bool = False
     """Whether it trains against a reward: a ``reward_model`` or a ``reward`` is required (and allowed, with an
     ``eval_reward``)."""
+    openai_method: Literal["supervised", "dpo", "reinforcement"] | None = None
+    """The ``method.type`` of OpenAI's fine-tuning API that this type trains (``/v1/fine_tuning/jobs``)."""
     demo_task: Literal["reviews", "digits"] = "reviews"
     """The built-in task of its demo (engine/demo.py ``TASKS``): what SFT trains on first, and how the
     policies are judged."""
@@ -557,6 +559,7 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
         output="policy",
         trainer="engine.sft:train_sft",
         metrics=("loss/sft", "eval/loss"),
+        openai_method="supervised",
         demo={
             "dataset": "builtin:reviews-sft",
             "eval_dataset": "builtin:reviews-sft-eval",
@@ -624,6 +627,7 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
         dataset="preference",
         output="policy",
         trainer="engine.dpo_train:train_dpo",
+        openai_method="dpo",
         metrics=(
             "loss/dpo",
             "rewards/accuracies",
@@ -654,6 +658,7 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
         dataset="prompts",
         output="policy",
         trainer="engine.grpo_train:train_grpo",
+        openai_method="reinforcement",
         metrics=(
             "reward/mean",
             "eval/reward",

@@ -104,7 +104,8 @@ def encode_conversation(
     tokenizer: PreTrainedTokenizerBase, messages: list[Message], first_trained: int = 0
 ) -> tuple[list[int], list[bool]]:
     """Token ids of a rendered conversation, and which of them are trained: the assistant messages from index
-    ``first_trained`` on, each from the end of the generation prompt before it to the end of its turn.
+    ``first_trained`` on (but those of OpenAI's ``"weight": 0``), each from the end of the generation prompt
+    before it to the end of its turn.
 
     Rendered turn by turn (the conversation up to each trained message, with and without it), so the trained
     tokens are exactly what sampling after that prompt would have to produce. The last trained turn ends with
@@ -120,7 +121,7 @@ def encode_conversation(
         trained.extend([is_trained] * len(new))
 
     for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i < first_trained:
+        if message["role"] != "assistant" or i < first_trained or message.get("weight") == 0:
             continue
         before = render(tokenizer, messages[:i], add_generation_prompt=True)
         after = render(tokenizer, messages[: i + 1], add_generation_prompt=False)

@@ -12,6 +12,16 @@ messages, https://huggingface.co/docs/trl/dataset_formats):
 
 ``rm`` and ``ppo``, the kinds' names before there were more job types than kinds, stay accepted as aliases.
 
+Each kind also reads the row format of OpenAI's fine-tuning API (https://platform.openai.com/docs/api-reference/
+fine-tuning), made one of the rows above by :func:`validate_row`:
+
+- ``sft``: ``{"messages": [...]}``, an assistant message may carry ``"weight": 0`` (not trained) or ``1``.
+- ``preference``: DPO's ``{"input": {"messages": [...]}, "preferred_output": [...], "non_preferred_output": [...]}``
+  → ``{"prompt", "chosen", "rejected"}``.
+- ``prompts``: reinforcement's ``{"messages": [...], ...}`` (the conversation to answer) → ``{"prompt": [...]}``.
+
+A file uploaded with ``purpose: "fine-tune"`` holds one of these; :func:`fine_tune_kind` tells which from a row.
+
 Columns beyond these are kept with the row (reward functions may read them).
 """
 
@@ -33,6 +43,10 @@ ROW_FIELDS: dict[str, tuple[str, ...]] = {
     "prompts": ("prompt",),
 }
 MESSAGE_KEYS = frozenset({"role", "content"})
+FINE_TUNE = "fine-tune"
+"""The ``purpose`` of a file in one of OpenAI's fine-tuning formats; its rows' kind is found from them."""
+DPO_FIELDS = ("input", "preferred_output", "non_preferred_output")
+"""The fields of a row of OpenAI's DPO format."""
 
 
 class DatasetError(ValueError):
@@ -56,16 +70,37 @@ def is_chat(row: dict[str, Any]) -> bool:
     return "messages" in row or isinstance(row.get("prompt", row.get("chosen")), list)
 
 
+def fine_tune_kind(row: object, line: int) -> DatasetKind:
+    """The kind of a row of OpenAI's fine-tuning formats: ``preference`` (DPO's fields), ``sft`` (``messages``
+    ending with an assistant message: supervised) or ``prompts`` (``messages`` ending otherwise: reinforcement)."""
+    if isinstance(row, dict) and any(field in row for field in DPO_FIELDS):
+        return "preference"
+    if isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
+        last = row["messages"][-1]
+        return "sft" if isinstance(last, dict) and last.get("role") == "assistant" else "prompts"
+    raise DatasetError(
+        f'line {line}: not a row of OpenAI\'s fine-tuning formats: expected {{"messages": [...]}} (supervised, or '
+        'reinforcement when the last message is not the assistant\'s) or DPO\'s {"input", "preferred_output", '
+        '"non_preferred_output"}'
+    )
+
+
 def validate_row(row: object, kind: str, line: int) -> dict[str, Any]:
-    """A row of ``kind`` (extra columns kept), or a DatasetError naming the line and the field."""
+    """A row of ``kind`` (extra columns kept; OpenAI's formats made ours), or a DatasetError naming the line and
+    the field."""
     kind = dataset_kind(kind)
     if not isinstance(row, dict):
         raise DatasetError(f"line {line}: expected a JSON object, got {type(row).__name__}")
     if kind == "sft" and "messages" in row:
-        messages = _messages(row["messages"], line, "messages")
-        if not any(m["role"] == "assistant" for m in messages):
+        messages = _messages(row["messages"], line, "messages", weighted=True)
+        if not any(m["role"] == "assistant" and m.get("weight", 1) for m in messages):
             raise DatasetError(f"line {line}: field 'messages' has no assistant message to train on")
         return row
+    if kind == "preference" and any(field in row for field in DPO_FIELDS):
+        return _from_openai_dpo(row, line)
+    if kind == "prompts" and "messages" in row and "prompt" not in row:
+        prompt = _messages(row["messages"], line, "messages")
+        return {"prompt": prompt, **{k: v for k, v in row.items() if k != "messages"}}
     if kind == "preference" and "prompt" not in row and isinstance(row.get("chosen"), list):
         split_prompt(row, line)  # the implicit-prompt form
         return row
@@ -98,31 +133,62 @@ def split_prompt(row: dict[str, Any], line: int = 0) -> tuple[list[Message], lis
     return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
-def _messages(value: object, line: int, field: str) -> list[Message]:
+def _from_openai_dpo(row: dict[str, Any], line: int) -> dict[str, Any]:
+    """A row of OpenAI's DPO format as ``{"prompt", "chosen", "rejected"}`` message lists."""
+    source = row.get("input")
+    if not isinstance(source, dict) or "messages" not in source:
+        raise DatasetError(f"line {line}: field 'input' must be {{\"messages\": [...]}}")
+    prompt = _messages(source["messages"], line, "input.messages")
+    parts = {"prompt": prompt}
+    for field, name in (("preferred_output", "chosen"), ("non_preferred_output", "rejected")):
+        messages = _messages(row.get(field), line, field)
+        if messages[-1]["role"] != "assistant":
+            raise DatasetError(f"line {line}: field {field!r} must end with an assistant message")
+        parts[name] = messages
+    return {**parts, **{k: v for k, v in row.items() if k not in DPO_FIELDS}}
+
+
+def _messages(value: object, line: int, field: str, weighted: bool = False) -> list[Message]:
+    """``value`` as a list of messages; with ``weighted``, an assistant message may also carry OpenAI's ``weight``
+    (0: not trained, 1: trained)."""
     if not isinstance(value, list) or not value:
         raise DatasetError(f"line {line}: field {field!r} must be a non-empty list of messages")
     for i, message in enumerate(value):
         if (
             not isinstance(message, dict)
-            or message.keys() != MESSAGE_KEYS
+            or message.keys() - {"weight"} != MESSAGE_KEYS
             or not all(isinstance(message[k], str) for k in MESSAGE_KEYS)
             or not message["role"]
         ):
             raise DatasetError(f'line {line}: field {field!r} item {i} must be {{"role": str, "content": str}}')
+        if "weight" in message and not (
+            weighted
+            and message["role"] == "assistant"
+            and message["weight"] in (0, 1)
+            and type(message["weight"]) is int
+        ):
+            raise DatasetError(
+                f"line {line}: field {field!r} item {i}: 'weight' (0 or 1) is for the assistant messages of "
+                "supervised rows"
+            )
     return value
 
 
 def parse_line(text: str, kind: str, line: int) -> dict[str, Any]:
     """One JSONL line as a row of ``kind``."""
+    return validate_row(parse_json(text, line), kind, line)
+
+
+def parse_json(text: str, line: int) -> object:
+    """One JSONL line's value, or a DatasetError naming the line."""
     try:
-        row = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise DatasetError(f"line {line}: invalid JSON ({e.msg})") from None
     except RecursionError:
         raise DatasetError(f"line {line}: invalid JSON (nested too deeply)") from None
     except ValueError as e:  # e.g. an integer of more digits than Python converts
         raise DatasetError(f"line {line}: invalid JSON ({e})") from None
-    return validate_row(row, kind, line)
 
 
 def split_lines(text: str) -> list[str]:

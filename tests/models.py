@@ -241,3 +241,20 @@ def write_jsonl(rows: list[dict[str, Any]], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def openai_rows(method: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` rows of OpenAI's fine-tuning formats from the same reviews conversations: ``supervised``
+    ``{messages}``; ``dpo`` ``{input: {messages}, preferred_output, non_preferred_output}``; ``reinforcement``
+    ``{messages, mood}`` (the user's request, and a reference field for graders: the mood asked for)."""
+    if method == "supervised":
+        return chat_rows("sft_messages", n, seed)
+    if method == "dpo":
+        return [
+            {"input": {"messages": row["prompt"]}, "preferred_output": row["chosen"],
+             "non_preferred_output": row["rejected"]}
+            for row in chat_rows("preference", n, seed)
+        ]  # fmt: skip
+    if method == "reinforcement":
+        return [{"messages": row["prompt"], "mood": "positive"} for row in chat_rows("prompts", n, seed)]
+    raise ValueError(f"unknown method {method!r}")

@@ -13,7 +13,7 @@ from fastapi import APIRouter, File, Form, Query, UploadFile
 from api.datasets import InvalidFile, summarize
 from api.deps import CurrentProject, SessionDep, SettingsDep
 from api.errors import ApiError, error_responses, not_found
-from api.schemas import ID_PATTERN, FilePublic, FilesPublic, Purpose, looks_like_id
+from api.schemas import ID_PATTERN, FilePublic, FilesPublic, FineTuneFile, Purpose, file_object, looks_like_id
 from jobs.store import crud
 
 router = APIRouter(prefix="/files", tags=["files"])
@@ -30,10 +30,13 @@ def upload_file(
         Form(
             description="Row kind: `sft` {prompt, completion} or {messages}, `preference` {prompt, chosen, rejected} "
             "(or only chosen and rejected conversations), `prompts` {prompt}; texts are strings or lists of chat "
-            "messages. `rm` and `ppo` are accepted for `preference` and `prompts`."
+            "messages. `rm` and `ppo` are accepted for `preference` and `prompts`. `fine-tune`: one of OpenAI's "
+            "fine-tuning formats (supervised {messages}, DPO {input, preferred_output, non_preferred_output}, "
+            "reinforcement {messages, ...reference fields}), for /v1/fine_tuning/jobs and /v1/jobs alike; it is "
+            "answered as OpenAI's file object."
         ),
     ],
-) -> FilePublic:
+) -> FilePublic | FineTuneFile:
     """Upload a dataset. A bad line (not JSON, not UTF-8, a wrong field, longer than the line limit) is rejected
     with its number (422 ``invalid_file``); a file over the size limit is 413 ``file_too_large``. Nothing of a
     refused upload is kept."""
@@ -61,6 +64,7 @@ def upload_file(
             project_id=project.id,
             filename=_filename(file.filename),
             purpose=purpose,
+            kind=summary.kind,
             size=size,
             rows=summary.rows,
             chat=summary.chat,
@@ -70,7 +74,7 @@ def upload_file(
     except BaseException:
         target.unlink(missing_ok=True)
         raise
-    return FilePublic.of(row)
+    return file_object(row)
 
 
 @router.get("")
@@ -84,15 +88,15 @@ def list_files(
 ) -> FilesPublic:
     """The project's files, newest first."""
     rows, has_more = crud.list_files(session, project_id=project.id, after=after, limit=limit)
-    return FilesPublic(data=[FilePublic.of(row) for row in rows], has_more=has_more)
+    return FilesPublic(data=[file_object(row) for row in rows], has_more=has_more)
 
 
 @router.get("/{file_id}")
-def get_file(session: SessionDep, project: CurrentProject, file_id: str) -> FilePublic:
+def get_file(session: SessionDep, project: CurrentProject, file_id: str) -> FilePublic | FineTuneFile:
     row = crud.get_file(session, file_id=file_id, project_id=project.id) if looks_like_id(file_id) else None
     if row is None:
         raise not_found("file", file_id)
-    return FilePublic.of(row)
+    return file_object(row)
 
 
 def _filename(name: str | None) -> str:

@@ -98,6 +98,23 @@ def create_job(
     stored ``waiting``: it is queued when that job succeeds, and fails with ``dependency_failed`` if it does not.
     """
     spec, pending = validated_spec(session, settings, project, body)
+    job, created = store_job(session, settings, enqueue, project, spec, pending, idempotency_key)
+    if not created:
+        response.status_code = 200
+    return JobPublic.of(job)
+
+
+def store_job(
+    session: Session,
+    settings: Settings,
+    enqueue: Enqueue,
+    project: Project,
+    spec: dict[str, Any],
+    pending: list[str],
+    idempotency_key: str | None,
+) -> tuple[Job, bool]:
+    """Store a validated spec's job and queue it after the commit; (the job, whether it is new). An earlier
+    request's job when ``idempotency_key`` was used before with the same spec; 409 with another spec."""
     job, created = _create_or_replay(session, project.id, spec, idempotency_key, pending)
     if not created:
         if job.spec != spec:
@@ -107,12 +124,11 @@ def create_job(
                 "this Idempotency-Key was already used with a different job spec",
                 param="Idempotency-Key",
             )
-        response.status_code = 200
-        return JobPublic.of(job)
+        return job, False
     session.commit()
     send_created(session, settings, enqueue, [job])
     session.refresh(job)
-    return JobPublic.of(job)
+    return job, True
 
 
 def validated_spec(
@@ -251,6 +267,23 @@ def _control(session: Session, job: Job, action: str) -> str | None:
     raise ApiError(409, "conflict", f"cannot {action} job {job.id}: it is {job.status}")
 
 
+def control_job(session: Session, settings: Settings, enqueue: Enqueue, job: Job, action: str) -> None:
+    """Cancel, pause or resume ``job`` (see the routes below) and commit; ``job`` is refreshed after."""
+    _control(session, job, action)
+    session.commit()
+    if action == "resume":
+        try:
+            enqueue(job.id, crud.job_queue(job))
+        except Exception as e:
+            logger.exception("could not enqueue job %s", job.id)
+            crud.transition(session, job_id=job.id, from_statuses=("queued",), to="paused")
+            session.commit()
+            raise ApiError(503, "unavailable", "the broker did not accept the job, so it stays paused") from e
+    session.refresh(job)
+    if action == "cancel" and job.status == "cancelled":
+        release_once(settings, enqueue)
+
+
 @router.post("/{job_id}/cancel", responses={409: {"model": ErrorResponse}})
 def cancel_job(
     session: SessionDep, settings: SettingsDep, project: CurrentProject, enqueue: EnqueueDep, job_id: str
@@ -258,39 +291,28 @@ def cancel_job(
     """Cancel: a waiting, queued or paused job at once; a running one cooperatively (``cancelling`` until its
     worker stops between steps). 409 once the job is final. Jobs waiting for it fail (``dependency_failed``)."""
     job = job_or_404(session, project, job_id)
-    _control(session, job, "cancel")
-    session.commit()
-    session.refresh(job)
-    if job.status == "cancelled":
-        release_once(settings, enqueue)
+    control_job(session, settings, enqueue, job, "cancel")
     return JobPublic.of(job)
 
 
 @router.post("/{job_id}/pause", responses={409: {"model": ErrorResponse}})
-def pause_job(session: SessionDep, project: CurrentProject, job_id: str) -> JobPublic:
+def pause_job(
+    session: SessionDep, settings: SettingsDep, project: CurrentProject, enqueue: EnqueueDep, job_id: str
+) -> JobPublic:
     """Pause: a running job saves a checkpoint between steps and stops (``pausing`` → ``paused``); a queued
     job is paused before it starts."""
     job = job_or_404(session, project, job_id)
-    _control(session, job, "pause")
-    session.commit()
-    session.refresh(job)
+    control_job(session, settings, enqueue, job, "pause")
     return JobPublic.of(job)
 
 
 @router.post("/{job_id}/resume", responses={409: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
-def resume_job(session: SessionDep, project: CurrentProject, enqueue: EnqueueDep, job_id: str) -> JobPublic:
+def resume_job(
+    session: SessionDep, settings: SettingsDep, project: CurrentProject, enqueue: EnqueueDep, job_id: str
+) -> JobPublic:
     """Resume a paused job: it is queued again and continues from its last checkpoint."""
     job = job_or_404(session, project, job_id)
-    _control(session, job, "resume")
-    session.commit()
-    try:
-        enqueue(job.id, crud.job_queue(job))
-    except Exception as e:
-        logger.exception("could not enqueue job %s", job.id)
-        crud.transition(session, job_id=job.id, from_statuses=("queued",), to="paused")
-        session.commit()
-        raise ApiError(503, "unavailable", "the broker did not accept the job, so it stays paused") from e
-    session.refresh(job)
+    control_job(session, settings, enqueue, job, "resume")
     return JobPublic.of(job)
 
 

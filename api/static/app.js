@@ -9,8 +9,6 @@
 (() => {
   const KEY_NAME = 'rlhf-api-key';
   const FINAL = new Set(['succeeded', 'failed', 'cancelled']);
-  // Earlier names of the dataset kinds, still a file's `purpose` when it was uploaded under them (engine/rows.py).
-  const KIND_ALIASES = { rm: 'preference', ppo: 'prompts' };
   const JOBS_REFRESH_MS = 3000;
   const HISTORY_POINTS = 2000;
 
@@ -913,7 +911,7 @@
 
     function fillDatasets() {
       const { dataset_kind: kind, builtin_datasets: builtins } = info();
-      const ours = files.filter((f) => (KIND_ALIASES[f.purpose] || f.purpose) === kind);
+      const ours = files.filter((f) => f.kind === kind);
       for (const [select, withNone] of [[dataset, false], [evalDataset, true]]) {
         const keep = select.value;
         fill(select,

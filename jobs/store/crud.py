@@ -92,6 +92,7 @@ def create_file(
     project_id: str,
     filename: str,
     purpose: str,
+    kind: str,
     size: int,
     rows: int,
     path: str,
@@ -102,6 +103,7 @@ def create_file(
         project_id=project_id,
         filename=filename,
         purpose=purpose,
+        kind=kind,
         bytes=size,
         rows=rows,
         chat=chat,
@@ -172,6 +174,7 @@ def list_jobs(
     project_id: str,
     status: str | None = None,
     job_type: str | None = None,
+    job_types: Sequence[str] | None = None,
     after: str | None = None,
     limit: int = 20,
 ) -> tuple[list[Job], bool]:
@@ -180,6 +183,8 @@ def list_jobs(
         stmt = stmt.where(Job.status == status)
     if job_type is not None:
         stmt = stmt.where(Job.type == job_type)
+    if job_types is not None:
+        stmt = stmt.where(Job.type.in_(list(job_types)))
     return _page(session, stmt, Job, project_id, after, limit)
 
 
@@ -385,11 +390,15 @@ def downsample(points: Sequence[P], max_points: int) -> list[P]:
     return [points[i] for i in indices]
 
 
-def list_events(session: Session, *, job_id: str, after: int | None, limit: int) -> tuple[list[Event], bool]:
+def list_events(
+    session: Session, *, job_id: str, after: int | None, limit: int, newest_first: bool = False
+) -> tuple[list[Event], bool]:
+    """A page of the job's events, oldest first after event id ``after`` (``newest_first``: before it)."""
     stmt = select(Event).where(Event.job_id == job_id)
     if after is not None:
-        stmt = stmt.where(Event.id > after)
-    rows = list(session.scalars(stmt.order_by(Event.id).limit(limit + 1)))
+        stmt = stmt.where(Event.id < after if newest_first else Event.id > after)
+    order = Event.id.desc() if newest_first else Event.id
+    rows = list(session.scalars(stmt.order_by(order).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
 
 

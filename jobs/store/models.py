@@ -68,8 +68,10 @@ class File(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
     filename: Mapped[str] = mapped_column(String(255))
-    purpose: Mapped[str] = mapped_column(String(8))
-    """Row kind: sft, rm or ppo."""
+    purpose: Mapped[str] = mapped_column(String(16))
+    """What it was uploaded as: a dataset kind (sft, preference, prompts; or rm, ppo) or ``fine-tune``."""
+    kind: Mapped[str] = mapped_column(String(16))
+    """What its rows are: sft, preference or prompts (for a fine-tune file, found from its rows)."""
     bytes: Mapped[int] = mapped_column(BigInteger)
     rows: Mapped[int] = mapped_column(Integer)
     chat: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())

@@ -273,9 +273,8 @@ def _dataset(session: Session, project_id: str, param: str, ref: str, kind: str,
     file = crud.get_file(session, file_id=ref, project_id=project_id)
     if file is None:
         raise SpecReferenceError(param, "file_not_found", f"no file {ref!r} in this project")
-    if dataset_kind(file.purpose) != dataset_kind(kind):
+    if file.kind != dataset_kind(kind):
         raise SpecReferenceError(
-            param, "wrong_file_purpose", f"{ref} holds {dataset_kind(file.purpose)} rows; a {dataset_kind(kind)} file "
-            "is needed"
-        )  # fmt: skip
+            param, "wrong_file_purpose", f"{ref} holds {file.kind} rows; a {dataset_kind(kind)} file is needed"
+        )
     return str(artifacts / file.path), file.chat

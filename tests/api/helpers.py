@@ -113,8 +113,11 @@ def error_of(response: Any) -> dict[str, Any]:
     """The error envelope's body, checking its shape."""
     body = response.json()
     assert set(body) == {"error"}, body
-    assert set(body["error"]) == {"code", "message", "param"}, body
-    error: dict[str, Any] = body["error"]
+    assert set(body["error"]) == {"code", "message", "param", "type"}, body
+    status = response.status_code
+    kind = "authentication_error" if status == 401 else "server_error" if status >= 500 else "invalid_request_error"
+    assert body["error"]["type"] == kind, body  # OpenAI's error classes
+    error: dict[str, Any] = {k: v for k, v in body["error"].items() if k != "type"}
     return error
 
 

@@ -31,6 +31,14 @@ DESIGN_ROUTES = {
     # OpenAI-compatible (issue 7).
     ("get", "/v1/models"), ("get", "/v1/models/{model_id}"), ("post", "/v1/completions"),
     ("post", "/v1/chat/completions"),
+    # OpenAI's fine-tuning API (issue 16).
+    ("post", "/v1/fine_tuning/jobs"), ("get", "/v1/fine_tuning/jobs"),
+    ("get", "/v1/fine_tuning/jobs/{fine_tuning_job_id}"),
+    ("post", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/cancel"),
+    ("post", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/pause"),
+    ("post", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/resume"),
+    ("get", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/events"),
+    ("get", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/checkpoints"),
 }  # fmt: skip
 
 

@@ -74,6 +74,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Client, s
 
 POINTS_AT_LEAST = """([metric, n]) =>
     Number(document.querySelector(`figure[data-metric="${metric}"]`).dataset.points) >= n"""
+SAMPLES_SNAPSHOT = """() => ({
+    step: document.querySelector('#sample-step').value,
+    histogram_step: document.querySelector('#reward-histogram').dataset.step,
+    caption: document.querySelector('#reward-histogram figcaption').textContent,
+    headers: [...document.querySelectorAll('#samples thead th')].map((e) => e.textContent),
+    first_row: [...document.querySelectorAll('#samples tbody tr:first-child td')].map((e) => e.textContent),
+})"""
 
 
 def _unexpected(message: str) -> bool:
@@ -232,20 +239,22 @@ def test_dashboard_drives_a_ppo_job(browser: Any, server: tuple[Client, str, Pat
     page.wait_for_function(
         "() => document.querySelector('#sample-step').value === document.querySelector('#sample-step option').value"
     )
-    shown_step = int(page.input_value("#sample-step"))
+    page.wait_for_function("n => document.querySelectorAll('#samples tbody tr').length === n", arg=6)
+    # One snapshot of the panel (it moves on to a newer step as the stream brings one), then the server's copy of it.
+    shown = page.evaluate(SAMPLES_SNAPSHOT)
+    shown_step = int(shown["step"])
     served = c.request("GET", f"/v1/jobs/{ppo_id}/samples", params={"step": shown_step})
     assert served["reward_names"] == ["score"] and served["steps"][0] == 1
     assert shown_step in served["steps"] and shown_step % 3 == 0  # a logged step after the first
-    page.wait_for_function("n => document.querySelectorAll('#samples tbody tr').length === n", arg=6)
-    headers = page.eval_on_selector_all("#samples thead th", "els => els.map((e) => e.textContent)")
-    assert headers == ["#", "Prompt", "Response", "score", "KL", "Length"]
-    cells = page.eval_on_selector_all("#samples tbody tr:first-child td", "els => els.map((e) => e.textContent)")
+    assert shown["headers"] == ["#", "Prompt", "Response", "score", "KL", "Length"]
+    assert shown["histogram_step"] == str(shown_step)
+    cells = shown["first_row"]
     first = served["data"][0]
     assert cells[1:3] == [first["prompt"], first["response"]] and first["prompt"].strip()
     assert cells[5] == str(first["length"])
     assert int(page.get_attribute("#reward-histogram", "data-bins")) >= 1
     assert page.locator("#reward-histogram rect.bar").count() >= 1
-    assert f"score at step {shown_step}" in page.inner_text("#reward-histogram figcaption")
+    assert shown["caption"].startswith(f"score at step {shown_step}")
     page.select_option("#sample-step", "1")  # an older step, picked: shown until another is picked
     page.wait_for_selector('#reward-histogram[data-step="1"]')
     step_1 = c.request("GET", f"/v1/jobs/{ppo_id}/samples", params={"step": 1})["data"]

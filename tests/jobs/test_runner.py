@@ -270,7 +270,7 @@ def test_a_missing_dataset_file_fails_with_dataset_invalid(sqlite_settings: Sett
     with db.session_scope(settings.resolved_database_url) as session:
         file = crud.create_file(
             session, file_id=f"file-{project_id[-8:]}", project_id=project_id, filename="gone.jsonl",
-            purpose="sft", size=10, rows=1, path="files/gone.jsonl",
+            purpose="sft", kind="sft", size=10, rows=1, path="files/gone.jsonl",
         )  # fmt: skip
     job_id = create_job(settings, project_id, sft_spec(dataset=file.id))
 

@@ -121,7 +121,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
         jobs.append(job_id)
     with db.session() as session:
         row = crud.create_file(
-            session, file_id="file-fuzz00000000", project_id=project.id, filename="a.jsonl", purpose="sft",
+            session, file_id="file-fuzz00000000", project_id=project.id, filename="a.jsonl", purpose="sft", kind="sft",
             size=10, rows=1, path="files/file-fuzz00000000.jsonl",
         )  # fmt: skip
 

@@ -46,8 +46,8 @@ def test_another_projects_objects_are_invisible_on_every_route(
     paused = db.job(a.id, spec=SFT_SPEC, status="paused")
     with db.session() as session:
         file = crud.create_file(
-            session, file_id="file-aaaaaaaaaaaa", project_id=a.id, filename="a.jsonl", purpose="sft", size=10,
-            rows=1, path="files/file-aaaaaaaaaaaa.jsonl",
+            session, file_id="file-aaaaaaaaaaaa", project_id=a.id, filename="a.jsonl", purpose="sft", kind="sft",
+            size=10, rows=1, path="files/file-aaaaaaaaaaaa.jsonl",
         )  # fmt: skip
     a_jobs = [running, succeeded, paused]
     before = snapshot(db, a_jobs, a)
@@ -79,6 +79,21 @@ def test_another_projects_objects_are_invisible_on_every_route(
                 body = {"prompts": ["hi"], "checkpoint": checkpoint}
                 missing("POST", f"/v1/jobs/{job_id}/generate", "/v1/jobs/{job_id}/generate", json=body)
         missing("GET", f"/v1/files/{file.id}", "/v1/files/{file_id}")
+        # OpenAI's fine-tuning routes: the same jobs, as unknown.
+        fine_tuning = "/v1/fine_tuning/jobs/{fine_tuning_job_id}"
+        for job_id in a_jobs:
+            missing("GET", f"/v1/fine_tuning/jobs/{job_id}", fine_tuning)
+            for sub in ("events", "checkpoints"):
+                missing("GET", f"/v1/fine_tuning/jobs/{job_id}/{sub}", f"{fine_tuning}/{sub}")
+            for action in ("cancel", "pause", "resume"):
+                missing("POST", f"/v1/fine_tuning/jobs/{job_id}/{action}", f"{fine_tuning}/{action}")
+        for params in ({}, {"after": succeeded}):
+            response = client.get("/v1/fine_tuning/jobs", params=params)
+            assert response.json() == {"object": "list", "data": [], "has_more": False}, params
+        response = client.post("/v1/fine_tuning/jobs", json={"model": "builtin:tiny", "training_file": file.id})
+        assert (response.status_code, error_of(response)["code"], error_of(response)["param"]) == (
+            422, "file_not_found", "training_file")  # fmt: skip
+        walked |= {("GET", "/v1/fine_tuning/jobs"), ("POST", "/v1/fine_tuning/jobs")}
 
         # The OpenAI-compatible routes: A's models are unknown, answered as for models that exist nowhere.
         assert client.get("/v1/models").json() == {"object": "list", "data": []}
@@ -156,7 +171,7 @@ def test_another_projects_id_as_a_list_cursor_tells_nothing(app: FastAPI, settin
     with db.session() as session:
         for project, file_id in ((b, "file-cursorbbbbbb"), (a, "file-cursoraaaaaa")):
             crud.create_file(session, file_id=file_id, project_id=project.id, filename="d.jsonl", purpose="sft",
-                             size=1, rows=1, path=f"files/{file_id}.jsonl")  # fmt: skip
+                             kind="sft", size=1, rows=1, path=f"files/{file_id}.jsonl")  # fmt: skip
     with TestClient(app, headers=b.headers) as client:
         for path, foreign, own in (("/v1/jobs", a_job, b_jobs[1]), ("/v1/files", "file-cursoraaaaaa", None)):
             nowhere = client.get(path, params={"after": "job_000000000000"}).json()
