@@ -6,11 +6,19 @@ import shutil
 import pytest
 import torch
 from torch.testing import assert_close
+from transformers import AutoTokenizer
 from transformers.activations import GELUTanh, NewGELUActivation
 
 from engine import builtin
 from engine.checkpoint import JOB_FILE
-from engine.data import DatasetError, encode_prompts, encode_sft_batch, load_rows, parse_jsonl
+from engine.data import (
+    DatasetError,
+    encode_conversation,
+    encode_prompts,
+    encode_sft_batch,
+    load_rows,
+    parse_jsonl,
+)
 from engine.generate import generate, sample, sample_next
 from engine.models import (
     ModelNotFoundError,
@@ -22,7 +30,9 @@ from engine.models import (
 )
 from engine.ops import truncate_after_stop
 from engine.rollout import response_logprobs
+from engine.rows import fine_tune_kind, validate_row
 from tests.engine.helpers import make_spec, train
+from tests.models import IM_END, build_tokenizer
 from tests.recorder import Recorder
 
 # --- JSONL datasets -------------------------------------------------------------------------------
@@ -153,6 +163,238 @@ def test_the_digits_tasks_held_out_triples_are_never_trained_on():
     for row in load_rows("builtin:digits-prompts", "prompts")[:50]:
         digits_, position = row["prompt"].removesuffix(" =").split(" : ")
         assert row["answer"] == digits_.split()[{"first": 0, "middle": 1, "last": 2}[position]]
+
+
+# --- OpenAI's fine-tuning formats ------------------------------------------------------------------
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+DPO_ROW = {"input": {"messages": [SYSTEM, USER]}, "preferred_output": [GOOD], "non_preferred_output": [BAD]}
+
+
+@pytest.mark.parametrize(
+    ("row", "kind", "expected"),
+    [
+        # supervised: the row itself, weights and extra columns kept
+        (
+            {"messages": [SYSTEM, USER, {**BAD, "weight": 0}, USER, {**GOOD, "weight": 1}], "id": 7},
+            "sft",
+            {"messages": [SYSTEM, USER, {**BAD, "weight": 0}, USER, {**GOOD, "weight": 1}], "id": 7},
+        ),
+        (
+            {"messages": [USER, GOOD, USER, {**BAD, "weight": 0}]},
+            "sft",
+            {"messages": [USER, GOOD, USER, {**BAD, "weight": 0}]},
+        ),
+        # DPO: input.messages → prompt, preferred_output → chosen, non_preferred_output → rejected
+        (
+            {**DPO_ROW, "id": "a", "tags": ["x"]},
+            "preference",
+            {"prompt": [SYSTEM, USER], "chosen": [GOOD], "rejected": [BAD], "id": "a", "tags": ["x"]},
+        ),
+        (DPO_ROW, "rm", {"prompt": [SYSTEM, USER], "chosen": [GOOD], "rejected": [BAD]}),
+        (
+            {**DPO_ROW, "preferred_output": [USER, GOOD]},  # a multi-message output
+            "preference",
+            {"prompt": [SYSTEM, USER], "chosen": [USER, GOOD], "rejected": [BAD]},
+        ),
+        # reinforcement: messages → prompt, the reference columns kept for the graders
+        (
+            {"messages": [SYSTEM, USER], "reference_answer": "42", "tags": ["a"]},
+            "prompts",
+            {"prompt": [SYSTEM, USER], "reference_answer": "42", "tags": ["a"]},
+        ),
+        ({"messages": [USER, GOOD, USER]}, "ppo", {"prompt": [USER, GOOD, USER]}),
+    ],
+)
+def test_openai_rows_are_read_as_the_native_row_of_their_kind(row, kind, expected):
+    assert validate_row(json.loads(json.dumps(row)), kind, 1) == expected
+    assert parse_jsonl([json.dumps(row)], kind) == [expected]
+
+
+def test_openai_and_native_rows_of_one_kind_share_a_file():
+    native = {"prompt": [SYSTEM, USER], "chosen": [GOOD], "rejected": [BAD]}
+    assert parse_jsonl([json.dumps(native), json.dumps(DPO_ROW)], "preference") == [native, native]
+    assert parse_jsonl([json.dumps({"prompt": [USER]}), json.dumps({"messages": [USER]})], "prompts") == [
+        {"prompt": [USER]},
+        {"prompt": [USER]},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("row", "expected"),
+    [
+        ({"messages": [USER, GOOD]}, "sft"),
+        ({"messages": [SYSTEM, USER, GOOD, USER, {**BAD, "weight": 0}]}, "sft"),  # the kind, not the validity
+        (DPO_ROW, "preference"),
+        ({"preferred_output": [GOOD]}, "preference"),  # any DPO field
+        ({"input": {"messages": [USER]}, "messages": [USER, GOOD]}, "preference"),
+        ({"messages": [SYSTEM, USER], "reference_answer": "42"}, "prompts"),
+        ({"messages": [USER, GOOD, USER]}, "prompts"),
+        ({"messages": ["not a message"]}, "prompts"),  # validate_row names what is wrong with it
+    ],
+)
+def test_fine_tune_kind_of_each_openai_format(row, expected):
+    assert fine_tune_kind(row, 1) == expected
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"prompt": "a", "completion": "b"},
+        {"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]},
+        {"messages": []},
+        {"messages": "hi"},
+        {},
+        [{"messages": [USER, GOOD]}],
+        "text",
+        None,
+    ],
+)
+def test_fine_tune_kind_refuses_rows_of_no_openai_format(row):
+    with pytest.raises(DatasetError) as info:
+        fine_tune_kind(row, 3)
+    assert str(info.value).startswith("line 3: not a row of OpenAI's fine-tuning formats"), info.value
+
+
+WEIGHT = "'weight' (0 or 1) is for the assistant messages of supervised rows"
+
+
+@pytest.mark.parametrize(
+    ("row", "kind", "expected"),
+    [
+        ({"messages": [{**USER, "weight": 1}, GOOD]}, "sft", f"field 'messages' item 0: {WEIGHT}"),
+        ({"messages": [{**SYSTEM, "weight": 0}, USER, GOOD]}, "sft", f"field 'messages' item 0: {WEIGHT}"),
+        ({"messages": [USER, {**GOOD, "weight": 2}]}, "sft", f"field 'messages' item 1: {WEIGHT}"),
+        ({"messages": [USER, {**GOOD, "weight": -1}]}, "sft", f"field 'messages' item 1: {WEIGHT}"),
+        ({"messages": [USER, {**GOOD, "weight": True}]}, "sft", f"field 'messages' item 1: {WEIGHT}"),
+        ({"messages": [USER, {**GOOD, "weight": False}]}, "sft", f"field 'messages' item 1: {WEIGHT}"),
+        ({"messages": [USER, {**GOOD, "weight": 1.0}]}, "sft", f"field 'messages' item 1: {WEIGHT}"),
+        ({"messages": [USER, {**GOOD, "weight": "1"}]}, "sft", f"field 'messages' item 1: {WEIGHT}"),
+        ({"messages": [USER, {**GOOD, "weight": None}]}, "sft", f"field 'messages' item 1: {WEIGHT}"),
+        ({"messages": [USER, {**GOOD, "weight": 0}]}, "sft", "field 'messages' has no assistant message to train on"),
+        (
+            {"messages": [USER, {**GOOD, "weight": 0}, USER, {**BAD, "weight": 0}]},
+            "sft",
+            "field 'messages' has no assistant message to train on",
+        ),
+        ({"messages": [USER, {**GOOD, "weight": 1}, USER]}, "prompts", f"field 'messages' item 1: {WEIGHT}"),
+        ({"messages": [USER, {**GOOD, "weight": 0}, USER]}, "ppo", f"field 'messages' item 1: {WEIGHT}"),
+        (
+            {**DPO_ROW, "preferred_output": [{**GOOD, "weight": 1}]},
+            "preference",
+            f"field 'preferred_output' item 0: {WEIGHT}",
+        ),
+        (
+            {**DPO_ROW, "non_preferred_output": [{**BAD, "weight": 0}]},
+            "preference",
+            f"field 'non_preferred_output' item 0: {WEIGHT}",
+        ),
+        (
+            {**DPO_ROW, "input": {"messages": [USER, {**GOOD, "weight": 1}, USER]}},
+            "preference",
+            f"field 'input.messages' item 1: {WEIGHT}",
+        ),
+        (
+            {"prompt": [USER], "chosen": [{**GOOD, "weight": 1}], "rejected": [BAD]},
+            "rm",
+            f"field 'chosen' item 0: {WEIGHT}",
+        ),
+        ({"prompt": [USER], "completion": [{**GOOD, "weight": 0}]}, "sft", f"field 'completion' item 0: {WEIGHT}"),
+    ],
+)
+def test_bad_weights_are_named(row, kind, expected):
+    with pytest.raises(DatasetError) as info:
+        parse_jsonl([json.dumps(row)], kind)
+    assert str(info.value) == f"line 1: {expected}"
+
+
+@pytest.mark.parametrize(
+    ("row", "kind", "expected"),
+    [
+        ({**DPO_ROW, "input": [USER]}, "preference", "line 1: field 'input' must be {\"messages\": [...]}"),
+        ({**DPO_ROW, "input": {"prompt": [USER]}}, "preference", "line 1: field 'input' must be"),
+        ({**DPO_ROW, "input": {"messages": []}}, "preference", "line 1: field 'input.messages' must be a non-empty"),
+        ({"preferred_output": [GOOD], "non_preferred_output": [BAD]}, "preference", "line 1: field 'input'"),
+        ({**DPO_ROW, "preferred_output": [USER]}, "preference", "'preferred_output' must end with an assistant"),
+        ({**DPO_ROW, "non_preferred_output": [USER]}, "rm", "'non_preferred_output' must end with an assistant"),
+        ({**DPO_ROW, "non_preferred_output": None}, "preference", "line 1: field 'non_preferred_output' must be"),
+        ({**DPO_ROW, "preferred_output": "great"}, "preference", "line 1: field 'preferred_output' must be"),
+        ({"messages": []}, "prompts", "line 1: field 'messages' must be a non-empty list"),
+        ({"messages": [{"role": "user"}]}, "prompts", "line 1: field 'messages' item 0"),
+        ({"messages": [USER]}, "preference", "line 1: field 'prompt'"),  # a reinforcement row where DPO rows belong
+    ],
+)
+def test_bad_openai_rows_are_named(row, kind, expected):
+    with pytest.raises(DatasetError) as info:
+        parse_jsonl([json.dumps(row)], kind)
+    assert str(info.value).startswith("line 1:") and expected in str(info.value), info.value
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    """The tests' small BPE tokenizer with its ChatML template (``<|im_end|>``, its EOS, ends every turn)."""
+    return AutoTokenizer.from_pretrained(build_tokenizer(tmp_path_factory.mktemp("chat") / "tokenizer"))
+
+
+def runs(trained: list[bool]) -> list[range]:
+    """The maximal stretches of trained tokens, in order."""
+    found: list[range] = []
+    for i, flag in enumerate(trained):
+        if flag and found and found[-1].stop == i:
+            found[-1] = range(found[-1].start, i + 1)
+        elif flag:
+            found.append(range(i, i + 1))
+    return found
+
+
+CONVERSATION = [
+    SYSTEM,
+    USER,
+    {"role": "assistant", "content": "great fun ."},
+    {"role": "user", "content": "Now a negative one: the plot was"},
+    {"role": "assistant", "content": "dull ."},
+    {"role": "user", "content": "Finish this review: the ending was"},
+    {"role": "assistant", "content": "a mess ."},
+]
+ASSISTANT_TURNS = [2, 4, 6]
+
+
+@pytest.mark.parametrize("unweighted", [[2], [4], [6], [2, 6], [4, 6]])
+def test_a_weight_0_assistant_turn_stays_in_context_untrained(chat_tokenizer, unweighted):
+    plain_ids, plain_trained = encode_conversation(chat_tokenizer, CONVERSATION)
+    turns = runs(plain_trained)
+    assert len(turns) == len(ASSISTANT_TURNS)  # one trained stretch per assistant turn, separated by the others
+    weighted = [
+        {**m, "weight": 0 if i in unweighted else 1} if m["role"] == "assistant" else m
+        for i, m in enumerate(CONVERSATION)
+    ]
+    ids, trained = encode_conversation(chat_tokenizer, weighted)
+    # the same tokens (the weight-0 turn is still in the context), and the same mask but that turn's stretch
+    assert ids == plain_ids
+    expected = list(plain_trained)
+    for turn, stretch in zip(ASSISTANT_TURNS, turns, strict=True):
+        if turn in unweighted:
+            expected[stretch.start : stretch.stop] = [False] * len(stretch)
+    assert trained == expected
+    # and, rendered naively: the trained tokens are exactly each weighted turn's content and its end of turn
+    assert [chat_tokenizer.decode([ids[i] for i in stretch]) for stretch in runs(trained)] == [
+        CONVERSATION[i]["content"] + IM_END + "\n" for i in ASSISTANT_TURNS if i not in unweighted
+    ]
+    assert chat_tokenizer.decode(ids) == chat_tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+
+
+def test_weight_1_is_the_default(chat_tokenizer):
+    weighted = [{**m, "weight": 1} if m["role"] == "assistant" else m for m in CONVERSATION]
+    assert encode_conversation(chat_tokenizer, weighted) == encode_conversation(chat_tokenizer, CONVERSATION)
+
+
+def test_sft_labels_skip_a_weight_0_turn(chat_tokenizer):
+    row = validate_row({"messages": [USER, {**BAD, "weight": 0}, USER, GOOD]}, "sft", 1)
+    batch = encode_sft_batch(chat_tokenizer, [row], max_length=128)
+    ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+    trained = [i for i, label in enumerate(labels) if label != -100]
+    assert [labels[i] for i in trained] == [ids[i] for i in trained]
+    assert chat_tokenizer.decode([ids[i] for i in trained]) == GOOD["content"] + IM_END + "\n"
 
 
 # --- SFT encoding ---------------------------------------------------------------------------------

@@ -1,12 +1,16 @@
 """Bring your own model through a real ``rlhf serve``: a Llama-architecture model from the server's model root
-with chat data, trained SFT → RM → PPO with LoRA, answering ``/v1/chat/completions``."""
+with chat data, trained SFT → RM → PPO with LoRA, answering ``/v1/chat/completions``; and fine-tuned through OpenAI's
+fine-tuning API with the official ``openai`` client."""
 
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from statistics import mean
+from typing import Any
 
+import openai
 import pytest
 import torch
 
@@ -14,7 +18,7 @@ from engine.config import JobSpec
 from engine.run import run_job
 from jobs.client import Client, ClientError
 from jobs.demo import embedded_server
-from tests.models import build_model, chat_rows, write_jsonl
+from tests.models import build_model, chat_rows, openai_rows, write_jsonl
 from tests.test_e2e import finished, free_port, wait_for
 
 LORA = {"r": 8, "alpha": 16}
@@ -90,3 +94,64 @@ def test_a_llama_with_chat_data_trains_sft_rm_ppo_with_lora_and_chats(
         "messages": [{"role": "user", "content": "Finish this review: the film was"}]})  # fmt: skip
     assert chat["object"] == "chat.completion" and isinstance(chat["choices"][0]["message"]["content"], str)
     assert chat["usage"]["completion_tokens"] >= 1
+
+
+def test_the_openai_sdk_fine_tunes_a_llama_three_ways_and_chats_with_it(
+    server: tuple[Client, Path], tmp_path: Path
+) -> None:
+    """OpenAI's fine-tuning flow with the official client alone (upload → create → follow the events →
+    checkpoints → chat with ``fine_tuned_model``), for the supervised, dpo and reinforcement (string_check grader)
+    methods; the jobs are the native API's jobs too."""
+    c, _ = server
+    key = c.http.headers["Authorization"].removeprefix("Bearer ")
+    oa = openai.OpenAI(api_key=key, base_url=f"{c.url}/v1", max_retries=0)
+    grader = {"type": "string_check", "name": "mood", "input": "{{sample.output_text}}",
+              "reference": "{{item.mood}}", "operation": "ilike"}  # fmt: skip
+    methods: dict[str, tuple[int, dict[str, Any]]] = {
+        "supervised": (32, {"supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 8,
+                                                               "learning_rate_multiplier": 3}}}),
+        "dpo": (32, {"dpo": {"hyperparameters": {"n_epochs": 1, "batch_size": 8, "beta": 0.1,
+                                                 "learning_rate_multiplier": 100}}}),
+        "reinforcement": (8, {"reinforcement": {"grader": grader, "hyperparameters": {
+            "n_epochs": 1, "batch_size": 4, "compute_multiplier": 0.25, "learning_rate_multiplier": 10}}}),
+    }  # fmt: skip
+    created = {}
+    for method, (rows, settings) in methods.items():
+        path = write_jsonl(openai_rows(method, rows), tmp_path / f"{method}.jsonl")
+        with path.open("rb") as f:
+            file = oa.files.create(file=f, purpose="fine-tune")
+        assert (file.purpose, file.status) == ("fine-tune", "processed")
+        job = oa.fine_tuning.jobs.create(
+            model="llama", training_file=file.id, method={"type": method, **settings}, suffix=method, seed=3
+        )
+        assert job.status == "queued" and job.method is not None and job.method.type == method
+        created[method] = job.id
+
+    for method, job_id in created.items():
+        seen: list[str] = []  # event ids, newest first as the API pages them
+        deadline = time.monotonic() + 300
+        while (job := oa.fine_tuning.jobs.retrieve(job_id)).status not in ("succeeded", "failed", "cancelled"):
+            assert time.monotonic() < deadline, (method, job.status)
+            seen += [e.id for e in oa.fine_tuning.jobs.list_events(job_id, limit=100) if e.id not in seen]
+            time.sleep(0.5)
+        events = list(oa.fine_tuning.jobs.list_events(job_id, limit=100))
+        messages = [e.message for e in reversed(events)]
+        assert job.status == "succeeded", (method, job.error, messages)
+        assert messages[0] == "running" and messages[-1] == "succeeded", messages
+        assert set(seen) <= {e.id for e in events} and any(m.startswith("checkpoint at step") for m in messages)
+        assert job.fine_tuned_model == f"job:{job_id}" and job.finished_at is not None
+
+        checkpoints = oa.fine_tuning.jobs.checkpoints.list(job_id).data
+        assert checkpoints and checkpoints[0].fine_tuned_model_checkpoint.startswith(f"job:{job_id}@")
+        for model in (job.fine_tuned_model, checkpoints[-1].fine_tuned_model_checkpoint):
+            chat = oa.chat.completions.create(
+                model=model, max_tokens=6, seed=1, messages=[{"role": "user", "content": "Write a positive review."}]
+            )
+            assert chat.choices[0].message.role == "assistant" and isinstance(chat.choices[0].message.content, str)
+            assert chat.usage is not None and chat.usage.completion_tokens >= 1
+
+    native = {job["id"]: job for job in c.request("GET", "/v1/jobs", params={"limit": 100})["data"]}
+    assert [native[job_id]["type"] for job_id in created.values()] == ["sft", "dpo", "grpo"]
+    assert [native[job_id]["name"] for job_id in created.values()] == list(methods)
+    rewards = c.request("GET", f"/v1/jobs/{created['reinforcement']}/metrics", params={"names": "reward/mood"})
+    assert len(rewards["data"]["reward/mood"]) == 2  # 8 prompts in batches of 4: two steps, the grader's reward

@@ -1,11 +1,19 @@
 """The Alembic migrations build exactly the schema the models declare, on SQLite and on PostgreSQL."""
 
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from jobs.store import db
+from jobs.store import db, migrate
 from jobs.store.models import Base
 from jobs.store.settings import Settings
+from tests.services import postgres_database
 
 
 def test_migrations_match_the_models(settings: Settings) -> None:
@@ -14,3 +22,81 @@ def test_migrations_match_the_models(settings: Settings) -> None:
         context = MigrationContext.configure(connection, opts={"compare_type": True})
         diff = compare_metadata(context, Base.metadata)
     assert diff == []
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def bare_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty database of each kind, for a test to migrate step by step."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'rlhf.db'}"
+    else:
+        with postgres_database("rlhf_migrate", migrated=False) as url:
+            yield url
+
+
+def files_columns(engine: sa.Engine) -> dict[str, sa.types.TypeEngine]:
+    return {column["name"]: column["type"] for column in sa.inspect(engine).get_columns("files")}
+
+
+def query(engine: sa.Engine, sql: str) -> list[tuple[object, ...]]:
+    with engine.connect() as connection:
+        return [tuple(row) for row in connection.execute(sa.text(sql))]
+
+
+def test_0004_fills_files_kind_from_purpose_and_downgrades(bare_url: str) -> None:
+    migrate.upgrade(bare_url, "0003")
+    engine = db.make_engine(bare_url)
+    try:
+        now = datetime.now(UTC)
+        with engine.begin() as connection:
+            connection.execute(
+                sa.text("INSERT INTO projects (id, name, created_at) VALUES ('p', 'test', :now)"), {"now": now}
+            )
+            for purpose in ("sft", "rm", "ppo"):
+                connection.execute(
+                    sa.text(
+                        "INSERT INTO files (id, project_id, filename, purpose, bytes, rows, path, created_at) "
+                        "VALUES (:id, 'p', 'data.jsonl', :purpose, 10, 1, :path, :now)"
+                    ),
+                    {"id": f"file-{purpose}", "purpose": purpose, "path": f"files/{purpose}", "now": now},
+                )
+        engine.dispose()  # no pooled connection holds the table while Alembic rebuilds it
+
+        migrate.upgrade(bare_url)
+        assert query(engine, "SELECT version_num FROM alembic_version") == [("0004",)]
+        assert dict(query(engine, "SELECT purpose, kind FROM files")) == {
+            "sft": "sft",
+            "rm": "preference",
+            "ppo": "prompts",
+        }
+        columns = files_columns(engine)
+        assert columns["purpose"].length == 16 and columns["kind"].length == 16  # type: ignore[attr-defined]
+        with engine.begin() as connection:  # a fine-tune file: a purpose longer than the old 8 characters
+            connection.execute(
+                sa.text(
+                    "INSERT INTO files (id, project_id, filename, purpose, kind, bytes, rows, path, created_at) "
+                    "VALUES ('file-ft', 'p', 'ft.jsonl', 'fine-tune', 'sft', 10, 1, 'file-ft', :now)"
+                ),
+                {"now": now},
+            )
+        engine.dispose()
+
+        command.downgrade(migrate.alembic_config(bare_url), "0003")
+        assert query(engine, "SELECT version_num FROM alembic_version") == [("0003",)]
+        assert query(engine, "SELECT id, purpose FROM files ORDER BY id") == [  # the fine-tune file goes
+            ("file-ppo", "ppo"),
+            ("file-rm", "rm"),
+            ("file-sft", "sft"),
+        ]
+        columns = files_columns(engine)
+        assert "kind" not in columns and columns["purpose"].length == 8  # type: ignore[attr-defined]
+        engine.dispose()
+
+        migrate.upgrade(bare_url)  # and up again
+        assert dict(query(engine, "SELECT purpose, kind FROM files")) == {
+            "sft": "sft",
+            "rm": "preference",
+            "ppo": "prompts",
+        }
+    finally:
+        engine.dispose()
