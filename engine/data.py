@@ -120,8 +120,10 @@ def encode_conversation(
         ids.extend(new)
         trained.extend([is_trained] * len(new))
 
+    untrained = {i for i, message in enumerate(messages) if message.get("weight") == 0}
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]  # the template sees no weights
     for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i < first_trained or message.get("weight") == 0:
+        if message["role"] != "assistant" or i < first_trained or i in untrained:
             continue
         before = render(tokenizer, messages[:i], add_generation_prompt=True)
         after = render(tokenizer, messages[: i + 1], add_generation_prompt=False)

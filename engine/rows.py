@@ -136,8 +136,8 @@ def split_prompt(row: dict[str, Any], line: int = 0) -> tuple[list[Message], lis
 def _from_openai_dpo(row: dict[str, Any], line: int) -> dict[str, Any]:
     """A row of OpenAI's DPO format as ``{"prompt", "chosen", "rejected"}`` message lists."""
     source = row.get("input")
-    if not isinstance(source, dict) or "messages" not in source:
-        raise DatasetError(f"line {line}: field 'input' must be {{\"messages\": [...]}}")
+    if not isinstance(source, dict) or source.keys() != {"messages"}:
+        raise DatasetError(f"line {line}: field 'input' must be {{\"messages\": [...]}} (tools are not supported)")
     prompt = _messages(source["messages"], line, "input.messages")
     parts = {"prompt": prompt}
     for field, name in (("preferred_output", "chosen"), ("non_preferred_output", "rejected")):

@@ -314,6 +314,7 @@ def test_bad_weights_are_named(row, kind, expected):
         ({**DPO_ROW, "input": [USER]}, "preference", "line 1: field 'input' must be {\"messages\": [...]}"),
         ({**DPO_ROW, "input": {"prompt": [USER]}}, "preference", "line 1: field 'input' must be"),
         ({**DPO_ROW, "input": {"messages": []}}, "preference", "line 1: field 'input.messages' must be a non-empty"),
+        ({**DPO_ROW, "input": {"messages": [USER], "tools": []}}, "preference", "(tools are not supported)"),
         ({"preferred_output": [GOOD], "non_preferred_output": [BAD]}, "preference", "line 1: field 'input'"),
         ({**DPO_ROW, "preferred_output": [USER]}, "preference", "'preferred_output' must end with an assistant"),
         ({**DPO_ROW, "non_preferred_output": [USER]}, "rm", "'non_preferred_output' must end with an assistant"),
