@@ -23,9 +23,13 @@ Setup: ``make bench-deps`` (TRL for benchmarks only, next to the pinned stack, c
 Run: ``python benchmarks/ppo_vs_trl.py [--sizes tiny compute] [--updates 8] [--no-memory]`` (about
 20 minutes on 2 cores).
 On a GPU: ``python benchmarks/ppo_vs_trl.py --sizes small --dtype bfloat16`` (GPT-2-small shapes).
+
+``--lora-speed`` races ours alone instead (TRL not needed): full fine-tuning, LoRA r=8 with the adapters folded
+into the weights for the rollout (as jobs run), and LoRA unfused (every sampling step through the adapters).
 """
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -34,7 +38,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -344,7 +348,27 @@ def run_floor(work: Workload, updates: int, setting: Setting, turn: Turn, out: P
         turn.end()
 
 
-CONTESTANTS = {"ours": run_ours, "trl": run_trl, "floor": run_floor}
+def run_ours_lora(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> None:
+    run_ours(work, updates, replace(setting, lora=True), turn, out)
+
+
+def run_ours_lora_unfused(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> None:
+    """Ours with LoRA as before rollouts folded the adapters: every sampling step through the adapters."""
+    import engine.rollout
+
+    engine.rollout.folded_adapters = lambda model: contextlib.nullcontext()  # type: ignore[assignment]
+    run_ours_lora(work, updates, setting, turn, out)
+
+
+CONTESTANTS = {
+    "ours": run_ours,
+    "trl": run_trl,
+    "floor": run_floor,
+    "ours-lora": run_ours_lora,
+    "ours-lora-unfused": run_ours_lora_unfused,
+}
+"""The PPO races' contestants: ours, TRL's and the floor; the LoRA speed race's: ours full, with LoRA (adapters
+folded into the weights for the rollout), and with LoRA unfused."""
 
 
 def contestant(name: str, work: Workload, updates: int, setting: Setting, conn: Connection) -> None:
@@ -404,16 +428,20 @@ def report(title: str, size: Size, results: dict[str, Result]) -> dict[str, floa
     median = {name: statistics.median(r.seconds) for name, r in results.items()}
     print(f"\n{title}: {asdict(size)}, prompts {PROMPT_TOKENS} tokens, {MINIBATCHES} minibatches, 1 epoch")
     memory_unit = "peak MiB" if results["ours"].above_baseline_mib is None else "peak RSS MiB (above baseline)"
-    print(f"{'':<7}{'s/update':>9}{'min':>8}{'max':>8}{'tokens/s':>10}  {memory_unit}")
+    print(f"{'':<18}{'s/update':>9}{'min':>8}{'max':>8}{'tokens/s':>10}  {memory_unit}")
     memory = {}
     for name, r in results.items():
         above = "" if r.above_baseline_mib is None else f" ({r.above_baseline_mib:.0f})"
         print(
-            f"{name:<7}{median[name]:>9.3f}{min(r.seconds):>8.3f}{max(r.seconds):>8.3f}{tokens / median[name]:>10.0f}"
+            f"{name:<18}{median[name]:>9.3f}{min(r.seconds):>8.3f}{max(r.seconds):>8.3f}{tokens / median[name]:>10.0f}"
             f"  {r.peak_mib:.0f}{above}"
         )
         memory[name] = r.peak_mib if r.above_baseline_mib is None else r.above_baseline_mib
-    print(f"ours / trl: time {median['ours'] / median['trl']:.3f}, memory {memory['ours'] / memory['trl']:.3f}")
+    if "trl" in median:
+        print(f"ours / trl: time {median['ours'] / median['trl']:.3f}, memory {memory['ours'] / memory['trl']:.3f}")
+    for lora in ("ours-lora", "ours-lora-unfused"):
+        if lora in median:
+            print(f"{lora} / ours (full): time {median[lora] / median['ours']:.3f}")
     if "floor" in median:
         print(f"ours / floor: time {median['ours'] / median['floor']:.3f}")
     return memory
@@ -426,6 +454,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--memory-size", default="compute", choices=SIZES, help="size of the memory races")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory races")
+    parser.add_argument(
+        "--lora-speed", action="store_true", help="race ours full, with LoRA, and with LoRA unfused instead (no TRL)"
+    )
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -434,9 +465,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for size_name in args.sizes:
             work = make_workload(SIZES[size_name], Path(tmp) / size_name)
-            results = race(work, list(CONTESTANTS), args.updates, Setting(args.dtype))
+            if args.lora_speed:
+                names = ["ours", "ours-lora", "ours-lora-unfused"]
+                results = race(work, names, args.updates, Setting(args.dtype))
+                report(f"{size_name}, full vs LoRA r=8", work.size, results)
+                continue
+            results = race(work, ["ours", "trl", "floor"], args.updates, Setting(args.dtype))
             report(f"{size_name}, full fine-tuning", work.size, results)
-        if args.no_memory:
+        if args.no_memory or args.lora_speed:
             return
         # Peak memory is reached within the first update; one counted update after the warm-up is enough.
         work = make_workload(SIZES[args.memory_size], Path(tmp) / f"memory-{args.memory_size}")

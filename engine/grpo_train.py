@@ -30,7 +30,7 @@ from engine.generate import sample
 from engine.graders import RewardScores, reward_metrics
 from engine.grpo import aggregate, clipped_surrogate, tied_groups, token_advantages
 from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything
-from engine.models import check_fits, frozen, load_causal_lm, prepare
+from engine.models import check_fits, folded_adapters, frozen, load_causal_lm, prepare
 from engine.ops import truncate_after_stop
 from engine.ppo import kl_per_token
 from engine.rewards import RewardFunction, eval_metrics, samples_of
@@ -192,8 +192,10 @@ def rollout(
     queries, query_mask = encode_prompts(tokenizer, [row["prompt"] for row in rows], cfg.max_prompt_length)
     queries, query_mask, rows = queries[share].to(device), query_mask[share].to(device), rows[share]
     policy.eval()
-    raw, raw_logprobs = sample(policy, queries, query_mask, cfg.response_length, cfg.temperature, top_k=cfg.top_k,
-                               eos_token_id=stop_token_id, generator=generator, group_size=group_size)  # fmt: skip
+    with folded_adapters(policy):  # LoRA sampling at the full model's speed
+        raw, raw_logprobs = sample(policy, queries, query_mask, cfg.response_length, cfg.temperature,
+                                   top_k=cfg.top_k, eos_token_id=stop_token_id, generator=generator,
+                                   group_size=group_size)  # fmt: skip
     responses, mask, stopped = truncate_after_stop(raw, stop_token_id, tokenizer.pad_token_id)
     P = queries.shape[1]
     query_responses = torch.cat([queries.repeat_interleave(group_size, 0), responses], dim=1)  # (N, P + T)

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.distributed import Ranks
 from engine.generate import sample
-from engine.models import ScalarHead, lm_logits
+from engine.models import ScalarHead, folded_adapters, lm_logits
 from engine.ops import logprobs_from_logits, truncate_after_stop
 from engine.reward import score_texts, sequence_scores
 
@@ -175,33 +175,37 @@ def make_rollout(
     chunk_size: int,
 ) -> Rollout:
     """Sample one response per query (B, P) of the dataset ``rows`` and evaluate it with reference, critic and reward
-    model (``scorer``) in chunks of ``chunk_size``. The policy's log-probabilities come from sampling itself.
+    model (``scorer``) in chunks of ``chunk_size``. The policy's log-probabilities come from sampling itself; LoRA
+    adapters are folded into the weights for the sampling and the critic's forward (:func:`folded_adapters`).
 
     A ``None`` reference means: the policy's base, with its LoRA adapters disabled.
     """
     policy.eval()
     value_model.eval()
-    raw, raw_logprobs = sample(
-        policy,
-        queries,
-        query_mask,
-        response_length,
-        temperature,
-        top_k=top_k,
-        eos_token_id=stop_token_id,
-        generator=generator,
-    )  # (B, T)
+    with folded_adapters(policy):
+        raw, raw_logprobs = sample(
+            policy,
+            queries,
+            query_mask,
+            response_length,
+            temperature,
+            top_k=top_k,
+            eos_token_id=stop_token_id,
+            generator=generator,
+        )  # (B, T)
     responses, mask, stopped = truncate_after_stop(raw, stop_token_id, pad_token_id)
     query_responses = torch.cat([queries, responses], dim=1)  # (B, P + T)
     attention_mask = torch.cat([query_mask, mask], dim=1)
     P = queries.shape[1]
-    ref_logprobs, values, scores = [], [], []
-    for i in range(0, queries.shape[0], chunk_size):
-        qr, am = query_responses[i : i + chunk_size], attention_mask[i : i + chunk_size]
+    chunks = [slice(i, i + chunk_size) for i in range(0, queries.shape[0], chunk_size)]
+    ref_logprobs, scores = [], []
+    for c in chunks:
+        qr, am = query_responses[c], attention_mask[c]
         with base_of(policy) if ref_policy is None else nullcontext():
             ref_logprobs.append(response_logprobs(ref_policy or policy, qr, am, P, temperature)[0])
-        values.append(response_values(ScalarHead(value_model), qr, am, P))
-        scores.append(scorer(rows[i : i + chunk_size], qr, am, P))
+        scores.append(scorer(rows[c], qr, am, P))
+    with folded_adapters(value_model):  # after the scorer, which may take the critic's base (adapters disabled)
+        values = [response_values(ScalarHead(value_model), query_responses[c], attention_mask[c], P) for c in chunks]
     return Rollout(
         query_responses=query_responses,
         attention_mask=attention_mask,
