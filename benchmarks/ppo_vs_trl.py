@@ -76,7 +76,30 @@ SIZES = {
     "compute": Size(n_layer=6, n_head=6, n_embd=384, batch=32, response=64),
     # GPT-2 small's shapes and vocabulary (sampled ids beyond the built-in tokenizer are never decoded).
     "small": Size(n_layer=12, n_head=12, n_embd=768, batch=64, response=128, vocab=50257),
+    # A 1B-class shape (16 layers, 2048 wide, GPT-2's vocabulary): how the ratios hold as models grow.
+    "1b": Size(n_layer=16, n_head=16, n_embd=2048, batch=64, response=128, vocab=50257),
 }
+BF16_PEAK_TFLOPS = 790.0
+"""The dense bf16 peak the report compares with on CUDA (an H200's sustained figure; ``--peak-tflops``)."""
+
+
+def update_flops(size: Size) -> float:
+    """Floating-point operations one PPO update needs at ``size`` (2 per multiply-add; backward twice the
+    forward): sampling the responses (a forward per new token, with the LM head), the rollout's reference,
+    reward and value forwards over prompt + response, and per minibatch the policy's and value's forward and
+    backward. Attention's score and mix products are counted at their mean context."""
+    d, L, vocab = size.n_embd, size.n_layer, size.vocab or 574
+    context = PROMPT_TOKENS + size.response
+
+    def per_token(head: bool, mean_context: float) -> float:
+        return 2 * (12 * L * d * d + (d * vocab if head else d)) + 4 * L * d * mean_context
+
+    sampled = size.batch * size.response * per_token(True, PROMPT_TOKENS + size.response / 2)
+    tokens = size.batch * context
+    forward_lm, forward_scalar = tokens * per_token(True, context / 2), tokens * per_token(False, context / 2)
+    rollout = forward_lm + 2 * forward_scalar  # reference; reward and value
+    training = 3 * (forward_lm + forward_scalar)  # policy and value, forward + backward
+    return sampled + rollout + training
 
 
 @dataclass(frozen=True)
@@ -422,13 +445,22 @@ def race(work: Workload, names: list[str], updates: int, setting: Setting) -> di
 # --- report ----------------------------------------------------------------------------------------------
 
 
-def report(title: str, size: Size, results: dict[str, Result]) -> dict[str, float]:
+def report(
+    title: str, size: Size, results: dict[str, Result], peak_tflops: float = BF16_PEAK_TFLOPS
+) -> dict[str, float]:
     """Print one race; returns each contestant's memory figure (above baseline on CPU, CUDA peak on GPU)."""
     tokens = size.batch * size.response
     median = {name: statistics.median(r.seconds) for name, r in results.items()}
     print(f"\n{title}: {asdict(size)}, prompts {PROMPT_TOKENS} tokens, {MINIBATCHES} minibatches, 1 epoch")
     memory_unit = "peak MiB" if results["ours"].above_baseline_mib is None else "peak RSS MiB (above baseline)"
     print(f"{'':<18}{'s/update':>9}{'min':>8}{'max':>8}{'tokens/s':>10}  {memory_unit}")
+    if pick_device().type == "cuda":
+        flops = update_flops(size)
+        print(f"one update needs {flops / 1e12:.2f} TFLOP; at the bf16 peak ({peak_tflops:g} TFLOP/s) "
+              f"{flops / 1e12 / peak_tflops:.3f} s")  # fmt: skip
+        for name in median:
+            achieved = flops / median[name] / 1e12
+            print(f"{name}: {achieved:.1f} TFLOP/s, {achieved / peak_tflops:.1%} of the peak")
     memory = {}
     for name, r in results.items():
         above = "" if r.above_baseline_mib is None else f" ({r.above_baseline_mib:.0f})"
@@ -452,6 +484,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="*", default=["tiny", "compute"], choices=SIZES, help="speed races")
     parser.add_argument("--updates", type=int, default=8, help="counted updates per contestant, after 2 warm-up")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--peak-tflops", type=float, default=BF16_PEAK_TFLOPS, help="CUDA: the peak to compare with")
     parser.add_argument("--memory-size", default="compute", choices=SIZES, help="size of the memory races")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory races")
     parser.add_argument(
@@ -468,10 +501,10 @@ def main() -> None:
             if args.lora_speed:
                 names = ["ours", "ours-lora", "ours-lora-unfused"]
                 results = race(work, names, args.updates, Setting(args.dtype))
-                report(f"{size_name}, full vs LoRA r=8", work.size, results)
+                report(f"{size_name}, full vs LoRA r=8", work.size, results, args.peak_tflops)
                 continue
             results = race(work, ["ours", "trl", "floor"], args.updates, Setting(args.dtype))
-            report(f"{size_name}, full fine-tuning", work.size, results)
+            report(f"{size_name}, full fine-tuning", work.size, results, args.peak_tflops)
         if args.no_memory or args.lora_speed:
             return
         # Peak memory is reached within the first update; one counted update after the warm-up is enough.

@@ -67,7 +67,7 @@ def _object(session: Session, project: Project, job: Job) -> FineTuningJob:
 @router.post(
     "",
     responses={409: {"model": ErrorResponse, "description": "The Idempotency-Key was used with another request."},
-               **error_responses(503, 507)},
+               **error_responses(400, 503, 507)},
 )  # fmt: skip
 def create_fine_tuning_job(
     session: SessionDep,

@@ -55,13 +55,24 @@ STATEFUL_EXAMPLES = 50
 REQUEST_TIMEOUT = 5.0
 """Seconds a response may take (every job the fuzzer can stream is final, so streams end at once)."""
 
+
+@schemathesis.check
+def rejects_negative_data(ctx: Any, response: Any, case: Any) -> bool | None:
+    """Schemathesis' negative data rejection, with 413 counted as a rejection: a body over the size limit (a
+    string far past its ``maxLength``, say) is refused before it is parsed."""
+    if response.status_code == 413:
+        return True
+    result: bool | None = negative_data_rejection(ctx, response, case)
+    return result
+
+
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
     content_type_conformance,
     response_headers_conformance,
     response_schema_conformance,
-    negative_data_rejection,
+    rejects_negative_data,
 ]
 
 
