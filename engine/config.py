@@ -289,6 +289,10 @@ class PPOConfig(TrainConfig):
     for ``GET /v1/jobs/{id}/samples`` and the dashboard (None: none kept)."""
     log_samples: Annotated[int, Field(ge=1, le=256)] = 16
     """Rollouts kept per logged step: the first ones of the batch."""
+    cuda_graphs: bool = True
+    """On CUDA, sample with a static KV cache and each decoding step captured as a CUDA graph (``torch.compile``,
+    mode ``reduce-overhead``), replayed across steps and updates: no per-token launch overhead. Off: the growing
+    cache, eagerly. No effect on CPU. The same tokens either way; log-probs equal up to rounding."""
     collapse: CollapseConfig = Field(default_factory=CollapseConfig)
     """The collapse signals of MOSS-RLHF (arXiv:2307.04964 §2.1): what one does, and their thresholds. The flat
     names of earlier versions (``on_collapse``, ``collapse_window``, ...) are accepted and moved in here."""
@@ -406,6 +410,10 @@ class GRPOConfig(TrainConfig):
     many steps, for ``GET /v1/jobs/{id}/samples`` and the dashboard (None: none kept)."""
     log_samples: Annotated[int, Field(ge=1, le=256)] = 16
     """Samples kept per logged step: the first ones of the batch, whole groups first."""
+    cuda_graphs: bool = True
+    """On CUDA, sample with a static KV cache and each decoding step captured as a CUDA graph (``torch.compile``,
+    mode ``reduce-overhead``), replayed across steps and updates: no per-token launch overhead. Off: the growing
+    cache, eagerly. No effect on CPU. The same tokens either way; log-probs equal up to rounding."""
 
     @property
     def micro_batch_size(self) -> int:

@@ -1,10 +1,13 @@
 """Sampling with a KV cache, for PPO rollouts and for generating from any checkpoint."""
 
-from collections.abc import Sequence
+import logging
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, StaticCache
 
 from engine.data import encode_prompts
 from engine.models import check_fits, context_length
@@ -32,6 +35,31 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
+logger = logging.getLogger(__name__)
+_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Callable[..., Any]]" = weakref.WeakKeyDictionary()
+
+
+def compiled_decoder(model: PreTrainedModel) -> Callable[..., Any]:
+    """``model``'s forward compiled for decoding with a static cache (``mode="reduce-overhead"``: on CUDA, the
+    step is captured as a CUDA graph and replayed), once per model and reused across rollouts and updates.
+    Its inputs keep their shapes from step to step, so one graph serves every step of a shape."""
+    if model not in _COMPILED:
+        _COMPILED[model] = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
+    return _COMPILED[model]
+
+
+def _repeat_static(cache: StaticCache, repeats: int) -> None:
+    """Each row of a prefilled static cache ``repeats`` times in a row (what ``batch_repeat_interleave`` does for a
+    growing cache), into new static tensors marked as such for CUDA graphs."""
+    layers: list[Any] = list(cache.layers)  # StaticLayer: keys and values (B, heads, positions, head dim)
+    for layer in layers:
+        layer.keys = layer.keys.repeat_interleave(repeats, dim=0)
+        layer.values = layer.values.repeat_interleave(repeats, dim=0)
+        layer.batch_size *= repeats
+        torch._dynamo.mark_static_address(layer.keys)
+        torch._dynamo.mark_static_address(layer.values)
+
+
 @torch.inference_mode()
 def sample(
     model: PreTrainedModel,
@@ -44,6 +72,8 @@ def sample(
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
     group_size: int = 1,
+    static_cache: bool = False,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to ``max_new_tokens`` after left-padded prompts (B, P), reusing the KV cache; with
     ``group_size`` G, G samples of each prompt (rows ``i*G .. i*G + G - 1`` are prompt i's), the prompt
@@ -53,17 +83,33 @@ def sample(
     T ≤ max_new_tokens, and their log-probabilities (B·G, T) under the model's full distribution at
     ``temperature`` (before top-k/top-p filtering: the quantity PPO's ratio is taken of), so a PPO
     rollout needs no second policy forward. Tokens after a row's EOS are junk for the caller to truncate.
+
+    ``static_cache``: the KV cache is preallocated for P + max_new_tokens positions and every decoding step has
+    the same shapes (the attention mask spans them all, 0 ahead), the same tokens as the growing cache and
+    log-probs equal up to rounding; ``compiled`` (with it) runs each step through :func:`compiled_decoder`.
     """
+    B, P = input_ids.shape
     position_ids = position_ids_from_mask(attention_mask)  # (B, P)
-    out = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
-    )
+    if static_cache:
+        cache: Any = StaticCache(config=model.config, max_cache_len=P + max_new_tokens)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(B, max_new_tokens)], dim=1)
+        prefill = torch.arange(P, device=input_ids.device)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                    use_cache=True, cache_position=prefill, logits_to_keep=1)  # fmt: skip
+    else:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                    logits_to_keep=1)  # fmt: skip
+        cache = out.cache
     first_logits = out.logits[:, -1]  # (B, V)
     if group_size > 1:
-        out.cache.batch_repeat_interleave(group_size)  # in place: (B·G, ...) from here on
+        if static_cache:
+            _repeat_static(cache, group_size)
+        else:
+            cache.batch_repeat_interleave(group_size)  # in place: (B·G, ...) from here on
         first_logits = first_logits.repeat_interleave(group_size, dim=0)
         attention_mask = attention_mask.repeat_interleave(group_size, dim=0)
         position_ids = position_ids.repeat_interleave(group_size, dim=0)
+    decode = compiled_decoder(model) if static_cache and compiled else model
     next_positions = position_ids[:, -1:] + 1  # (B·G, 1)
     finished = torch.zeros(attention_mask.shape[0], dtype=torch.bool, device=input_ids.device)
     tokens, logprobs = [], []
@@ -78,14 +124,24 @@ def sample(
                 break
         if t == max_new_tokens - 1:
             break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1)
-        out = model(
-            input_ids=token.unsqueeze(1),
-            attention_mask=attention_mask,
-            position_ids=next_positions,
-            cache=out.cache,
-            use_cache=True,
-        )
+        if static_cache:
+            attention_mask[:, P + t] = 1
+            position = torch.full((1,), P + t, dtype=torch.long, device=input_ids.device)
+            step = {"input_ids": token.unsqueeze(1), "attention_mask": attention_mask, "position_ids": next_positions,
+                    "cache": cache, "use_cache": True, "cache_position": position}  # fmt: skip
+            try:
+                out = decode(**step)
+            except Exception:
+                if decode is model:
+                    raise
+                # the step could not be compiled here (no compiler for this device, say): eager from now on
+                logger.warning("the decoding step could not be compiled; sampling continues eagerly", exc_info=True)
+                _COMPILED[model] = decode = model
+                out = decode(**step)
+        else:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1)
+            out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=next_positions,
+                        cache=cache, use_cache=True)  # fmt: skip
         next_positions = next_positions + 1
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)  # (B, T), (B, T)
 

@@ -193,9 +193,10 @@ def rollout(
     queries, query_mask, rows = queries[share].to(device), query_mask[share].to(device), rows[share]
     policy.eval()
     with folded_adapters(policy):  # LoRA sampling at the full model's speed
+        static = cfg.cuda_graphs and device.type == "cuda"  # CUDA graphs for the decoding steps
         raw, raw_logprobs = sample(policy, queries, query_mask, cfg.response_length, cfg.temperature,
                                    top_k=cfg.top_k, eos_token_id=stop_token_id, generator=generator,
-                                   group_size=group_size)  # fmt: skip
+                                   group_size=group_size, static_cache=static, compiled=static)  # fmt: skip
     responses, mask, stopped = truncate_after_stop(raw, stop_token_id, tokenizer.pad_token_id)
     P = queries.shape[1]
     query_responses = torch.cat([queries.repeat_interleave(group_size, 0), responses], dim=1)  # (N, P + T)

@@ -156,7 +156,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         return make_rollout(
             policy, ref_policy, value_model, scorer, rows, queries, query_mask, cfg.response_length,
             cfg.temperature, cfg.top_k, stop_token_id, tokenizer.pad_token_id, generator,
-            chunk_size=cfg.mini_batch_size,
+            chunk_size=cfg.mini_batch_size, static_cache=cfg.cuda_graphs and device.type == "cuda",
         )  # fmt: skip
 
     # Optimizer (policy and critic, each at its learning rate), schedule, KL controller, running score moments,

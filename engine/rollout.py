@@ -173,12 +173,14 @@ def make_rollout(
     pad_token_id: int,
     generator: torch.Generator,
     chunk_size: int,
+    static_cache: bool = False,
 ) -> Rollout:
     """Sample one response per query (B, P) of the dataset ``rows`` and evaluate it with reference, critic and reward
     model (``scorer``) in chunks of ``chunk_size``. The policy's log-probabilities come from sampling itself; LoRA
     adapters are folded into the weights for the sampling and the critic's forward (:func:`folded_adapters`).
 
-    A ``None`` reference means: the policy's base, with its LoRA adapters disabled.
+    A ``None`` reference means: the policy's base, with its LoRA adapters disabled. ``static_cache``: sample with
+    a static KV cache and compiled decoding steps (CUDA graphs on CUDA).
     """
     policy.eval()
     value_model.eval()
@@ -192,6 +194,8 @@ def make_rollout(
             top_k=top_k,
             eos_token_id=stop_token_id,
             generator=generator,
+            static_cache=static_cache,
+            compiled=static_cache,
         )  # (B, T)
     responses, mask, stopped = truncate_after_stop(raw, stop_token_id, pad_token_id)
     query_responses = torch.cat([queries, responses], dim=1)  # (B, P + T)
