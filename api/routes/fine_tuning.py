@@ -52,11 +52,22 @@ def _fine_tuning_job(session: Session, project: Project, job_id: str) -> Job:
     return job
 
 
+def _refused(error: RequestError) -> ApiError:
+    return ApiError(422, "invalid_request", error.message, param=error.param)
+
+
+def _before(after: str | None, prefix: str) -> int | None:
+    """The row id of a list's ``after`` cursor; 422 for one that is not an id of the list."""
+    try:
+        return cursor(after, prefix)
+    except RequestError as e:
+        raise _refused(e) from None
+
+
 def _training_rows(session: Session, project: Project, jobs: list[Job]) -> dict[str, int]:
     """Rows of each job's training file, by file id (a built-in dataset has none here)."""
     ids = {job.spec["dataset"] for job in jobs if job.spec["dataset"].startswith("file-")}
-    files = (crud.get_file(session, file_id=file_id, project_id=project.id) for file_id in ids)
-    return {file.id: file.rows for file in files if file is not None}
+    return crud.file_rows(session, project_id=project.id, file_ids=ids)
 
 
 def _object(session: Session, project: Project, job: Job) -> FineTuningJob:
@@ -95,7 +106,7 @@ def create_fine_tuning_job(
     try:
         spec_body = spec_of(body, training.rows, seed)
     except RequestError as e:
-        raise ApiError(422, "invalid_request", e.message, param=e.param) from None
+        raise _refused(e) from None
     try:
         spec, pending = validated_spec(session, settings, project, spec_body)
     except ApiError as e:
@@ -170,10 +181,7 @@ def list_fine_tuning_events(
 ) -> FineTuningEvents:
     """The job's events (status changes, checkpoints, warnings, errors), newest first."""
     job = _fine_tuning_job(session, project, fine_tuning_job_id)
-    try:
-        before = cursor(after, "ftevent-")
-    except RequestError as e:
-        raise ApiError(422, "invalid_request", e.message, param=e.param) from None
+    before = _before(after, "ftevent-")
     rows, has_more = crud.list_events(session, job_id=job.id, after=before, limit=limit, newest_first=True)
     return FineTuningEvents(data=[event_object(row) for row in rows], has_more=has_more)
 
@@ -190,10 +198,7 @@ def list_fine_tuning_checkpoints(
 ) -> FineTuningCheckpoints:
     """The job's kept checkpoints, newest first; each is a model of ``/v1/chat/completions``."""
     job = _fine_tuning_job(session, project, fine_tuning_job_id)
-    try:
-        before = cursor(after, "ftckpt-")
-    except RequestError as e:
-        raise ApiError(422, "invalid_request", e.message, param=e.param) from None
+    before = _before(after, "ftckpt-")
     kept = sorted(crud.list_checkpoints(session, job_id=job.id), key=lambda c: c.id, reverse=True)
     kept = [c for c in kept if before is None or c.id < before]
     data = [checkpoint_object(job, c) for c in kept[:limit]]

@@ -118,6 +118,12 @@ def get_file(session: Session, *, file_id: str, project_id: str) -> File | None:
     return session.scalars(select(File).where(File.id == file_id, File.project_id == project_id)).first()
 
 
+def file_rows(session: Session, *, project_id: str, file_ids: Iterable[str]) -> dict[str, int]:
+    """The row count of each of these files of the project, by id (one query)."""
+    stmt = select(File.id, File.rows).where(File.project_id == project_id, File.id.in_(list(file_ids)))
+    return {file_id: rows for file_id, rows in session.execute(stmt)}
+
+
 def list_files(session: Session, *, project_id: str, after: str | None, limit: int) -> tuple[list[File], bool]:
     stmt = select(File).where(File.project_id == project_id)
     return _page(session, stmt, File, project_id, after, limit)
