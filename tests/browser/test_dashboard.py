@@ -1,9 +1,10 @@
 """The web dashboard in a real headless browser (Debian's chromium, driven by Playwright) against a real
 ``rlhf serve``: sign in, create a PPO job through the form (after a 422 that names its field), watch its charts
 grow from the live stream, read its rollout samples, pause it, and sample it with the "try it" box; create a GRPO
-job rewarded by a grader (``reward``) instead of a reward model. Everything that differs by job type (the form's
-types, datasets, model pickers, reward rows and example reward, a job's charts) comes from ``GET /v1/job_types``: a
-type the server adds is offered with no change to the dashboard.
+job rewarded by a grader (``reward``) instead of a reward model; follow a job that the official ``openai`` client
+created (on a tiny Llama from the server's model root) to "succeeded". Everything that differs by job type (the
+form's types, datasets, model pickers, reward rows and example reward, a job's charts) comes from
+``GET /v1/job_types``: a type the server adds is offered with no change to the dashboard.
 
 Outside CI the test skips when chromium or Playwright is missing; under ``CI=true`` it fails instead (.ci/run
 installs chromium). ``RLHF_SCREENSHOT=docs/dashboard.png`` also writes the job page's screenshot there.
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from engine.config import JOB_TYPES
@@ -25,6 +27,7 @@ from jobs.client import KEY_FILE, Client
 from jobs.demo import embedded_server
 from jobs.store import crud
 from jobs.store.db import session_scope
+from tests.models import build_model, openai_rows, write_jsonl
 from tests.services import unavailable
 from tests.test_e2e import finished, free_port, wait_for
 
@@ -65,11 +68,21 @@ def browser() -> Iterator[Any]:
             browser.close()
 
 
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The server's model root (``RLHF_MODEL_ROOT``): a tiny random-weight Llama at ``llama/``."""
+    root = tmp_path_factory.mktemp("models")
+    build_model("llama", root / "llama")
+    return root
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Client, str, Path]]:
+def server(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[tuple[Client, str, Path]]:
     data_dir = tmp_path_factory.mktemp("server")
-    with embedded_server(data_dir, free_port()) as client:
-        yield client, (data_dir / KEY_FILE).read_text().strip(), data_dir
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RLHF_MODEL_ROOT", str(model_root))
+        with embedded_server(data_dir, free_port()) as client:
+            yield client, (data_dir / KEY_FILE).read_text().strip(), data_dir
 
 
 POINTS_AT_LEAST = """([metric, n]) =>
@@ -437,5 +450,39 @@ def test_the_form_takes_a_reward_grader(browser: Any, server: tuple[Client, str,
         if not finished(c.get_job(grpo_id)):
             c.request("POST", f"/v1/jobs/{grpo_id}/cancel")
         wait_for(c, grpo_id, finished)
+    page.close()
+    assert not problems, problems
+
+
+def test_a_job_the_openai_sdk_created_is_on_the_dashboard(
+    browser: Any, server: tuple[Client, str, Path], tmp_path: Path
+) -> None:
+    """A supervised job created with the official ``openai`` client (upload, then create) is a job like any other
+    on the dashboard: listed as an sft job named by its suffix, and followed on its page to "succeeded"."""
+    c, key, _ = server
+    oa = openai.OpenAI(api_key=key, base_url=f"{c.url}/v1", max_retries=0)
+    with write_jsonl(openai_rows("supervised", 16), tmp_path / "supervised.jsonl").open("rb") as f:
+        file = oa.files.create(file=f, purpose="fine-tune")
+    job = oa.fine_tuning.jobs.create(
+        model="llama", training_file=file.id, suffix="sdk-dash",
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "batch_size": 8}}},
+    )  # fmt: skip
+
+    page = browser.new_page(viewport={"width": 1360, "height": 1000})
+    page.set_default_timeout(TIMEOUT_MS)
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    sign_in(page, c.url, key)
+    row = f'#jobs-table tr[data-job-id="{job.id}"]'
+    page.wait_for_selector(row)
+    assert page.inner_text(f"{row} td:nth-child(2)") == "sft"
+    assert page.inner_text(f"{row} td:first-child a") == "sdk-dash"
+
+    page.click(f'{row} a[href="#/jobs/{job.id}"]')
+    page.wait_for_selector(
+        ", ".join(f'#job-status[data-status="{s}"]' for s in ("succeeded", "failed", "cancelled")), timeout=120_000
+    )
+    assert page.get_attribute("#job-status", "data-status") == "succeeded", oa.fine_tuning.jobs.retrieve(job.id).error
     page.close()
     assert not problems, problems
