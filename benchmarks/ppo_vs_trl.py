@@ -26,6 +26,8 @@ On a GPU: ``python benchmarks/ppo_vs_trl.py --sizes small --dtype bfloat16`` (GP
 
 ``--lora-speed`` races ours alone instead (TRL not needed): full fine-tuning, LoRA r=8 with the adapters folded
 into the weights for the rollout (as jobs run), and LoRA unfused (every sampling step through the adapters).
+``--logits --sizes vocab`` races ours (log-probs over the vocabulary in chunks of at most 256 MiB of logits) against
+ours making each forward's whole (B, T, V) logits at once: time and peak memory.
 """
 
 import argparse
@@ -74,6 +76,8 @@ class Size:
 SIZES = {
     "tiny": Size(n_layer=2, n_head=4, n_embd=128, batch=16, response=32),
     "compute": Size(n_layer=6, n_head=6, n_embd=384, batch=32, response=64),
+    # The compute shapes with GPT-2's vocabulary and 2,048 response positions a minibatch: the logits race's size.
+    "vocab": Size(n_layer=6, n_head=6, n_embd=384, batch=64, response=64, vocab=50257),
     # GPT-2 small's shapes and vocabulary (sampled ids beyond the built-in tokenizer are never decoded).
     "small": Size(n_layer=12, n_head=12, n_embd=768, batch=64, response=128, vocab=50257),
     # A 1B-class shape (16 layers, 2048 wide, GPT-2's vocabulary): how the ratios hold as models grow.
@@ -383,15 +387,25 @@ def run_ours_lora_unfused(work: Workload, updates: int, setting: Setting, turn: 
     run_ours_lora(work, updates, setting, turn, out)
 
 
+def run_ours_whole_logits(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> None:
+    """Ours with each forward's (B, T, V) logits made at once, as before log-probs were taken in chunks."""
+    import engine.rollout
+
+    engine.rollout.LOGITS_CHUNK_BYTES = 2**62
+    run_ours(work, updates, setting, turn, out)
+
+
 CONTESTANTS = {
     "ours": run_ours,
     "trl": run_trl,
     "floor": run_floor,
     "ours-lora": run_ours_lora,
     "ours-lora-unfused": run_ours_lora_unfused,
+    "ours-whole-logits": run_ours_whole_logits,
 }
 """The PPO races' contestants: ours, TRL's and the floor; the LoRA speed race's: ours full, with LoRA (adapters
-folded into the weights for the rollout), and with LoRA unfused."""
+folded into the weights for the rollout), and with LoRA unfused; the logits race's: ours (log-probs in chunks
+of at most 256 MiB of logits) and ours with the whole logits at once."""
 
 
 def contestant(name: str, work: Workload, updates: int, setting: Setting, conn: Connection) -> None:
@@ -474,6 +488,9 @@ def report(
     for lora in ("ours-lora", "ours-lora-unfused"):
         if lora in median:
             print(f"{lora} / ours (full): time {median[lora] / median['ours']:.3f}")
+    if "ours-whole-logits" in median:
+        whole = "ours-whole-logits"
+        print(f"ours / {whole}: time {median['ours'] / median[whole]:.3f}, memory {memory['ours'] / memory[whole]:.3f}")
     if "floor" in median:
         print(f"ours / floor: time {median['ours'] / median['floor']:.3f}")
     return memory
@@ -490,6 +507,9 @@ def main() -> None:
     parser.add_argument(
         "--lora-speed", action="store_true", help="race ours full, with LoRA, and with LoRA unfused instead (no TRL)"
     )
+    parser.add_argument(
+        "--logits", action="store_true", help="race ours against ours with whole logits instead (no TRL)"
+    )
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -503,9 +523,13 @@ def main() -> None:
                 results = race(work, names, args.updates, Setting(args.dtype))
                 report(f"{size_name}, full vs LoRA r=8", work.size, results, args.peak_tflops)
                 continue
+            if args.logits:
+                results = race(work, ["ours", "ours-whole-logits"], args.updates, Setting(args.dtype))
+                report(f"{size_name}, log-probs in chunks vs whole logits", work.size, results, args.peak_tflops)
+                continue
             results = race(work, ["ours", "trl", "floor"], args.updates, Setting(args.dtype))
             report(f"{size_name}, full fine-tuning", work.size, results, args.peak_tflops)
-        if args.no_memory or args.lora_speed:
+        if args.no_memory or args.lora_speed or args.logits:
             return
         # Peak memory is reached within the first update; one counted update after the warm-up is enough.
         work = make_workload(SIZES[args.memory_size], Path(tmp) / f"memory-{args.memory_size}")

@@ -280,9 +280,8 @@ def minibatch_gradients(
         last = u + mbs >= len(own_inds)
         mk = mask[inds]
         with ranks.no_sync(trained_policy, last):
-            logprobs, logits = response_logprobs(trained_policy, ex.query_responses[inds], ex.attention_mask[inds],
-                                                 P, cfg.temperature)  # fmt: skip
-            del logits
+            logprobs, _ = response_logprobs(trained_policy, ex.query_responses[inds], ex.attention_mask[inds],
+                                            P, cfg.temperature)  # fmt: skip
             per_token, clipped = clipped_surrogate(logprobs, ex.logprobs[inds], advantages[inds],
                                                    cfg.cliprange_low, cfg.cliprange_high)  # fmt: skip
             pg_loss = total(per_token, mk)

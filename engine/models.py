@@ -187,6 +187,22 @@ def lm_logits(
     return out.logits
 
 
+SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+"""Config fields of architectures whose logits are more than the output layer of the last hidden state (Gemma 2's
+soft cap, Cohere's and Granite's scales): :func:`output_layer` gives None for them."""
+
+
+def output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The layer that makes a causal LM's logits from its last hidden state, found through the DistributedDataParallel
+    and PEFT wrappers; None when the architecture does more to its logits (:data:`SCALED_LOGITS`)."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    config = inner.config
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in SCALED_LOGITS):
+        return None
+    head = inner.get_output_embeddings()  # type: ignore[operator]
+    return head if isinstance(head, torch.nn.Module) else None
+
+
 class ScalarHead(torch.nn.Module):
     """A sequence-classification model read at every position: ``forward(input_ids, attention_mask)`` returns
     the scalar head's output (B, L) and the backbone's hidden states (B, L, H). A reward is read at the last

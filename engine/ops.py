@@ -1,7 +1,10 @@
 """Masked statistics and token-level helpers. Pure functions, each tested against a naive loop."""
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -47,6 +50,41 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the categorical distribution at each position: (B, T, V) -> (B, T)."""
     logp = F.log_softmax(_upcast(logits), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def chunked_logprobs(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    chunk: int,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(token) under the logits ``head(hidden)``, and their entropy when ``entropy``: (B, T, H), (B, T) ->
+    (B, T), (B, T) or None. The same numbers as :func:`logprobs_from_logits` and :func:`entropy_from_logits` of
+    the whole (B, T, V) logits, which never exist at once here: ``chunk`` positions at a time, each chunk's logits
+    recomputed in the backward pass (activation checkpointing) instead of kept for it. The entropy takes part in
+    the backward only with ``entropy_grad``.
+    """
+    B, T, H = hidden.shape
+    flat_hidden, flat_tokens = hidden.reshape(B * T, H), tokens.reshape(B * T)
+
+    def stats(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = head(h)  # (chunk, V)
+        logprobs = logprobs_from_logits(logits, t)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            ent = entropy_from_logits(logits) if entropy else logprobs.new_zeros(())
+        return logprobs, ent
+
+    recompute = torch.is_grad_enabled() and chunk < B * T
+    parts = [
+        checkpoint(stats, flat_hidden[i : i + chunk], flat_tokens[i : i + chunk], use_reentrant=False)
+        if recompute
+        else stats(flat_hidden[i : i + chunk], flat_tokens[i : i + chunk])
+        for i in range(0, B * T, chunk)
+    ]
+    logprobs = torch.cat([lp for lp, _ in parts]).reshape(B, T)
+    return logprobs, torch.cat([ent for _, ent in parts]).reshape(B, T) if entropy else None
 
 
 def first_true_index(bools: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from engine.graders import ModelGrader, RewardScores, reward_metrics
 from engine.health import CollapseMonitor, TrainingCollapseError
 from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything
 from engine.models import ScalarHead, check_fits, frozen, load_causal_lm, load_scalar_model, load_tokenizer, prepare
-from engine.ops import entropy_from_logits, masked_mean, masked_whiten
+from engine.ops import masked_mean, masked_whiten
 from engine.ppo import (
     AdaptiveKLController,
     FixedKLController,
@@ -366,14 +366,16 @@ def minibatch_gradients(
         last = u + mbs >= len(own_inds)  # DDP averages the accumulated gradients after this one
         qr, am, mk = ro.query_responses[inds], ro.attention_mask[inds], mask[inds]
         with ranks.no_sync(trained_policy, last), torch.set_grad_enabled(train_policy):
-            new_logprobs, logits = response_logprobs(trained_policy, qr, am, ro.context_length, cfg.temperature)
+            new_logprobs, token_entropy = response_logprobs(
+                trained_policy, qr, am, ro.context_length, cfg.temperature, entropy=True, entropy_grad=entropy_in_loss
+            )
+            assert token_entropy is not None
             pl = policy_loss(new_logprobs, ro.logprobs[inds], exp.advantages[inds], mk, cfg.cliprange, n_tokens)
-            with torch.set_grad_enabled(entropy_in_loss):
-                entropy = (entropy_from_logits(logits) * mk).sum() / n_tokens
+            entropy = (token_entropy * mk).sum() / n_tokens
             if train_policy:
                 objective = pl.pg_loss - cfg.entropy_coef * entropy if entropy_in_loss else pl.pg_loss
                 (scale * objective).backward()
-        del logits, new_logprobs
+        del token_entropy, new_logprobs
         ptx_loss = torch.zeros((), device=device)
         if ptx is not None and train_policy:
             ptx_batch, n_ptx_tokens = ptx
