@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -54,21 +54,24 @@ class Ranks:
         per = n // self.world_size
         return slice(self.rank * per, (self.rank + 1) * per)
 
-    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        """``module`` in DistributedDataParallel (the module itself for one process). Train through the wrapper;
-        sample, evaluate and save the module itself. Buffers are not broadcast: every rank holds the same ones,
-        and a broadcast per forward would tie evaluation on rank 0 alone to the other ranks."""
-        if self.world_size == 1:
-            return module
-        device = next(module.parameters()).device
-        device_ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, **_NO_BUFFER_SYNC)
+    def wrap(self, module: torch.nn.Module, compile: bool = False) -> torch.nn.Module:
+        """``module`` in DistributedDataParallel (the module itself for one process), and compiled by
+        ``torch.compile`` for dynamic shapes when ``compile``. Train through the wrapper; sample, evaluate and save
+        the module itself. Buffers are not broadcast: every rank holds the same ones, and a broadcast per forward
+        would tie evaluation on rank 0 alone to the other ranks."""
+        wrapped = module
+        if self.world_size > 1:
+            device = next(module.parameters()).device
+            device_ids = [device.index] if device.type == "cuda" else None
+            wrapped = DistributedDataParallel(module, device_ids=device_ids, **_NO_BUFFER_SYNC)
+        return cast(torch.nn.Module, torch.compile(wrapped, dynamic=True)) if compile else wrapped
 
     def no_sync(self, wrapped: torch.nn.Module, last: bool) -> AbstractContextManager[Any]:
         """Around a micro-batch's forward and backward: gradients are averaged only on the step's ``last``
         micro-batch (the ones before it accumulate locally)."""
-        if isinstance(wrapped, DistributedDataParallel) and not last:
-            return wrapped.no_sync()
+        ddp = getattr(wrapped, "_orig_mod", wrapped)  # inside torch.compile's wrapper
+        if isinstance(ddp, DistributedDataParallel) and not last:
+            return ddp.no_sync()
         return nullcontext()
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:

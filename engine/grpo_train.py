@@ -88,7 +88,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
     eval_reward = RewardFunction(spec.eval_reward, tokenizer, device, cfg.dtype) if spec.eval_reward else reward
     stop_token_id = tokenizer.eos_token_id if cfg.stop_token == "eos" else None
     params = [p for p in policy.parameters() if p.requires_grad]
-    trained_policy = ranks.wrap(policy)
+    trained_policy = ranks.wrap(policy, compile=cfg.torch_compile)
 
     start = run.start_training(cfg, cfg.total_steps, (params, cfg.learning_rate))
     if start.finished:

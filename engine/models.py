@@ -193,9 +193,11 @@ soft cap, Cohere's and Granite's scales): :func:`output_layer` gives None for th
 
 
 def output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The layer that makes a causal LM's logits from its last hidden state, found through the DistributedDataParallel
-    and PEFT wrappers; None when the architecture does more to its logits (:data:`SCALED_LOGITS`)."""
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    """The layer that makes a causal LM's logits from its last hidden state, found through the torch.compile,
+    DistributedDataParallel and PEFT wrappers; None when the architecture does more to its logits
+    (:data:`SCALED_LOGITS`)."""
+    inner = getattr(model, "_orig_mod", model)  # inside torch.compile's wrapper
+    inner = inner.module if isinstance(inner, torch.nn.parallel.DistributedDataParallel) else inner
     config = inner.config
     if any(getattr(config, name, None) not in (None, 1, 1.0) for name in SCALED_LOGITS):
         return None

@@ -147,7 +147,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     policy_params = [p for p in policy.parameters() if p.requires_grad]
     value_params = [p for p in value_model.parameters() if p.requires_grad]
     # trained through these (DistributedDataParallel with several processes); rollouts use the models themselves
-    trained_policy, critic = ranks.wrap(policy), ranks.wrap(ScalarHead(value_model))
+    trained_policy = ranks.wrap(policy, compile=cfg.torch_compile)
+    critic = ranks.wrap(ScalarHead(value_model), compile=cfg.torch_compile)
     saved = {"policy": policy, "value": value_model}  # the checkpoints' models
 
     def sample(

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -108,6 +109,19 @@ def final_model_dir(out_dir: Path, name: str = "policy") -> Path:
     steps = sorted(int(p.name.removeprefix("step-")) for p in (out_dir / "checkpoints").glob("step-*"))
     assert steps, f"no checkpoints in {out_dir}"
     return out_dir / "checkpoints" / f"step-{steps[-1]}" / name
+
+
+def assert_same_update(start: Path, one: Path, other: Path, min_cosine: float = 0.99) -> None:
+    """Two runs from the model folder ``start`` moved its weights the same way (model folders ``one`` and
+    ``other``): the whole weight change points the same way and is as large, within rounding. Compared as one
+    vector, since Adam's normalised step turns rounding in near-zero gradients into lr-sized differences."""
+    initial = load_weights(start)
+    a, b = load_weights(one), load_weights(other)
+    delta_a = torch.cat([(a[k] - v).flatten().double() for k, v in initial.items()])
+    delta_b = torch.cat([(b[k] - v).flatten().double() for k, v in initial.items()])
+    assert delta_a.norm() > 0, "the first run did not change the weights"
+    assert torch.nn.functional.cosine_similarity(delta_a, delta_b, dim=0) >= min_cosine
+    assert delta_b.norm() / delta_a.norm() == pytest.approx(1.0, abs=1 - min_cosine)
 
 
 def assert_all_finite(metrics: dict[int, dict[str, float]]) -> None:

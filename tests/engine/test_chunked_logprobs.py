@@ -152,8 +152,16 @@ def test_an_architecture_that_caps_its_logits_is_read_through_its_own_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch.manual_seed(0)
-    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=2.0)  # fmt: skip
+    config = Gemma2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=2.0,
+    )
     model = Gemma2ForCausalLM(config)
     assert output_layer(model) is None
     monkeypatch.setattr(rollout, "LOGITS_CHUNK_BYTES", 4 * 64 * 5)

@@ -20,6 +20,7 @@ from tests.engine.helpers import (
     COMMON_METRICS,
     Pretrained,
     assert_all_finite,
+    assert_same_update,
     final_model_dir,
     is_timing,
     load_weights,
@@ -205,6 +206,21 @@ def test_without_kl_no_reference_is_used(digits_sft: Path, tmp_path) -> None:
     result, rec = train(grpo_spec(digits_sft, hyperparameters={"kl_coef": 0.0}), tmp_path / "job")
     assert result.status == "succeeded"
     assert rec.metrics[2]["objective/kl"] == 0.0 and rec.metrics[2]["loss/kl"] == 0.0
+
+
+def test_torch_compile_gives_the_eager_update(digits_sft: Path, tmp_path) -> None:
+    """The policy's compiled training forward and backward make the eager one's update, up to fused rounding."""
+    runs = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        spec = grpo_spec(digits_sft, hyperparameters={"total_steps": 1, "torch_compile": compiled})
+        result, runs[name] = train(spec, tmp_path / name)
+        assert result.status == "succeeded"
+    eager, compiled_run = runs["eager"].metrics[1], runs["compiled"].metrics[1]
+    assert compiled_run["reward/mean"] == eager["reward/mean"]  # the same rollout
+    for name in ("loss/policy", "loss/kl", "policy/approxkl"):
+        assert compiled_run[name] == pytest.approx(eager[name], rel=1e-4, abs=1e-6), name
+    assert_same_update(final_model_dir(digits_sft), final_model_dir(tmp_path / "eager"),
+                       final_model_dir(tmp_path / "compiled"))  # fmt: skip
 
 
 # 5. ---------------------------------------------------------------------------------------------------------

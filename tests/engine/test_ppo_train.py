@@ -8,6 +8,7 @@ from tests.engine.helpers import (
     PPO_METRICS,
     Pretrained,
     assert_all_finite,
+    assert_same_update,
     final_model_dir,
     load_weights,
     make_spec,
@@ -241,3 +242,17 @@ def test_eval_dataset_reports_eval_metrics_without_changing_training(pretrained,
     # Evaluation samples from its own generator: the training trajectory is unchanged.
     for step in (1, 2, 3):
         assert rec_eval.metrics[step]["objective/scores"] == rec_plain.metrics[step]["objective/scores"]
+
+
+def test_torch_compile_gives_the_eager_update(tmp_path, pretrained):
+    """The compiled training forward and backward (policy and critic) make the eager one's update, up to the
+    rounding of fused kernels: same rollout, same losses (the critic's too), the same change of the policy."""
+    options = {"total_steps": 1, "batch_size": 8, "mini_batch_size": 4, "response_length": 8, "learning_rate": 1e-4}
+    _, eager = _run(tmp_path, pretrained, "eager", **options)
+    _, compiled = _run(tmp_path, pretrained, "compiled", torch_compile=True, **options)
+    assert compiled.metrics[1]["objective/scores"] == eager.metrics[1]["objective/scores"]
+    assert eager.metrics[1]["policy/approxkl"] > 0  # the second minibatch saw the first one's update
+    for name in ("loss/policy", "loss/value", "objective/entropy", "policy/approxkl", "val/mean"):
+        assert compiled.metrics[1][name] == pytest.approx(eager.metrics[1][name], rel=1e-4, abs=1e-6), name
+    assert_same_update(final_model_dir(pretrained.sft), final_model_dir(tmp_path / "eager"),
+                       final_model_dir(tmp_path / "compiled"))  # fmt: skip
