@@ -389,9 +389,9 @@ def run_ours_lora_unfused(work: Workload, updates: int, setting: Setting, turn: 
 
 def run_ours_whole_logits(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> None:
     """Ours with each forward's (B, T, V) logits made at once, as before log-probs were taken in chunks."""
-    import engine.rollout
+    import engine.models
 
-    engine.rollout.LOGITS_CHUNK_BYTES = 2**62
+    engine.models.LOGITS_CHUNK_BYTES = 2**62
     run_ours(work, updates, setting, turn, out)
 
 

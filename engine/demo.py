@@ -19,11 +19,10 @@ from engine.builtin import reviews
 from engine.config import JOB_TYPES, JobSpec
 from engine.data import encode_prompts, load_rows
 from engine.generate import sample
-from engine.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model_ref
+from engine.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model_ref, token_logprobs
 from engine.ops import truncate_after_stop
 from engine.reward import sequence_scores
 from engine.rm import encode_pairs, evaluate_pairs
-from engine.rollout import response_logprobs
 
 
 @dataclass(frozen=True)
@@ -117,8 +116,8 @@ def evaluate_policy(
     query_responses = torch.cat([queries, responses], 1)
     attention_mask = torch.cat([query_mask, mask], 1)
     P = queries.shape[1]
-    logprobs, _ = response_logprobs(policy, query_responses, attention_mask, P, TEMPERATURE)
-    ref_logprobs, _ = response_logprobs(reference, query_responses, attention_mask, P, TEMPERATURE)
+    logprobs, _ = token_logprobs(policy, query_responses, attention_mask, P, TEMPERATURE)
+    ref_logprobs, _ = token_logprobs(reference, query_responses, attention_mask, P, TEMPERATURE)
     texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
     return PolicyReport(
         success=sum(task.judge(row, text) for row, text in zip(rows, texts, strict=True)) / len(texts),

@@ -1,7 +1,7 @@
 """DPO numerics: sequence log-probabilities and the pairwise preference losses.
 
 Pure functions of tensors; each is tested against a naive loop in tests/engine/test_dpo_math.py.
-Shapes: B preference pairs, L tokens of prompt + completion, V vocabulary; labels are -100 where not trained.
+Shapes: B preference pairs, L tokens of prompt + completion; labels are -100 where not trained.
 """
 
 from dataclasses import dataclass
@@ -10,21 +10,16 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from engine.ops import logprobs_from_logits
-
 IGNORE_INDEX = -100
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Σ_t log p(label_t | tokens_<t) over the trained tokens: (B, L, V), (B, L) -> (B,).
+def sequence_logps(token_logps: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Σ_t log p(label_t | tokens_<t) over the trained tokens: (B, L-1), (B, L) -> (B,).
 
-    A causal LM's logits at position t predict token t + 1, so logits[:, :-1] are scored against labels[:, 1:];
-    labels of -100 (prompt, padding) contribute 0. Half-precision logits are summed in float32.
+    ``token_logps`` are the log-probabilities of tokens 1 .. L-1 of the sequences the labels mark
+    (:func:`engine.models.token_logprobs` from position 1), labels of -100 (prompt, padding) contribute 0.
     """
-    targets = labels[:, 1:]  # (B, L-1)
-    trained = targets != IGNORE_INDEX
-    per_token = logprobs_from_logits(logits[:, :-1], torch.where(trained, targets, 0))  # (B, L-1)
-    return torch.where(trained, per_token, 0.0).sum(-1)
+    return torch.where(labels[:, 1:] != IGNORE_INDEX, token_logps, 0.0).sum(-1)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from engine.data import (
 from engine.distributed import Ranks
 from engine.dpo import IGNORE_INDEX, DPOLossOut, dpo_loss, sequence_logps
 from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
-from engine.models import check_fits, lm_logits, load_causal_lm, load_tokenizer, prepare
+from engine.models import check_fits, load_causal_lm, load_tokenizer, prepare, token_logprobs
 
 EVAL_BATCH = 32
 """Pairs per forward when evaluating."""
@@ -47,7 +47,8 @@ def encode_preference_batch(
 
 def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Log-probability (2B,) of each sequence's completion under ``model``, summed over its tokens."""
-    return sequence_logps(lm_logits(model, batch["input_ids"], batch["attention_mask"]), batch["labels"])
+    logps, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], start=1)  # (2B, L-1)
+    return sequence_logps(logps, batch["labels"])
 
 
 def compared(logps: torch.Tensor, batch: dict[str, torch.Tensor], mean: bool) -> torch.Tensor:

@@ -30,11 +30,11 @@ from engine.generate import sample
 from engine.graders import RewardScores, reward_metrics
 from engine.grpo import aggregate, clipped_surrogate, tied_groups, token_advantages
 from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything
-from engine.models import check_fits, folded_adapters, frozen, load_causal_lm, prepare
+from engine.models import check_fits, folded_adapters, frozen, load_causal_lm, prepare, token_logprobs
 from engine.ops import truncate_after_stop
 from engine.ppo import kl_per_token
 from engine.rewards import RewardFunction, eval_metrics, samples_of
-from engine.rollout import base_of, logged_samples, response_logprobs, samples_due
+from engine.rollout import base_of, logged_samples, samples_due
 
 MB_STATS = ("pg", "kl", "clip", "akl")
 """Per-minibatch statistics: policy loss, KL loss term, clip fraction, approx-KL."""
@@ -208,7 +208,7 @@ def rollout(
         for i in range(0, query_responses.shape[0], cfg.mini_batch_size):
             qr, am = query_responses[i : i + cfg.mini_batch_size], attention_mask[i : i + cfg.mini_batch_size]
             with base_of(policy) if ref_policy is None else nullcontext():
-                chunks.append(response_logprobs(ref_policy or policy, qr, am, P, cfg.temperature)[0])
+                chunks.append(token_logprobs(ref_policy or policy, qr, am, P, cfg.temperature)[0])
         ref_logprobs = torch.cat(chunks) * mask
 
     texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
@@ -280,7 +280,7 @@ def minibatch_gradients(
         last = u + mbs >= len(own_inds)
         mk = mask[inds]
         with ranks.no_sync(trained_policy, last):
-            logprobs, _ = response_logprobs(trained_policy, ex.query_responses[inds], ex.attention_mask[inds],
+            logprobs, _ = token_logprobs(trained_policy, ex.query_responses[inds], ex.attention_mask[inds],
                                             P, cfg.temperature)  # fmt: skip
             per_token, clipped = clipped_surrogate(logprobs, ex.logprobs[inds], advantages[inds],
                                                    cfg.cliprange_low, cfg.cliprange_high)  # fmt: skip

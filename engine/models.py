@@ -28,7 +28,7 @@ from engine.config import LoraSpec
 from engine.hub import explain_missing, hub_kwargs
 from engine.model_refs import ModelNotFoundError as ModelNotFoundError  # re-exported: callers catch it from here
 from engine.model_refs import resolve_model_ref as resolve_model_ref
-from engine.ops import position_ids_from_mask
+from engine.ops import chunked_logprobs, entropy_from_logits, logprobs_from_logits, position_ids_from_mask
 
 
 def load_tokenizer(ref: str) -> PreTrainedTokenizerBase:
@@ -203,6 +203,51 @@ def output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
         return None
     head = inner.get_output_embeddings()  # type: ignore[operator]
     return head if isinstance(head, torch.nn.Module) else None
+
+
+LOGITS_CHUNK_BYTES = 2**28
+"""The most float32 logits a log-probability pass holds at once: 256 MiB, 1335 positions of GPT-2's vocabulary
+(50,257), 523 of Llama 3's (128,256). A small vocabulary's batch is taken in one piece."""
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    start: int,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(token t | tokens before t) at ``temperature`` for the tokens from position ``start`` on, and the
+    entropy of each of those distributions when ``entropy`` (with a gradient when ``entropy_grad``):
+    (B, L) -> (B, L - start), (B, L - start) or None. Positions follow the mask.
+
+    The model runs to its last hidden state; the logits are made from it :data:`LOGITS_CHUNK_BYTES` at a time
+    (:func:`engine.ops.chunked_logprobs`), so the (B, L, V) logits never exist at once. An architecture that
+    scales or caps its logits (:func:`output_layer` is None) is read through its own forward.
+    ``model`` is a causal LM, or one wrapped in DistributedDataParallel or torch.compile.
+    """
+    tokens = input_ids[:, start:]
+    head = output_layer(model)
+    if head is None:
+        last = input_ids.shape[1] - start + 1
+        logits = lm_logits(model, input_ids, attention_mask, last=last)[:, :-1] / temperature  # (B, L - start, V)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            ent = entropy_from_logits(logits) if entropy else None
+        return logprobs_from_logits(logits, tokens), ent
+    hidden = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=1,  # the logits are made below, in chunks
+        output_hidden_states=True,
+    ).hidden_states[-1][:, start - 1 : -1]  # (B, L - start, H): the states before each scored token
+    vocab = head.weight
+    assert isinstance(vocab, torch.Tensor)  # (V, H)
+    chunk = max(1, LOGITS_CHUNK_BYTES // (4 * vocab.shape[0]))
+    return chunked_logprobs(lambda h: head(h) / temperature, hidden, tokens, chunk, entropy, entropy_grad)
 
 
 class ScalarHead(torch.nn.Module):

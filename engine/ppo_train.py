@@ -26,7 +26,16 @@ from engine.distributed import Ranks
 from engine.graders import ModelGrader, RewardScores, reward_metrics
 from engine.health import CollapseMonitor, TrainingCollapseError
 from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything
-from engine.models import ScalarHead, check_fits, frozen, load_causal_lm, load_scalar_model, load_tokenizer, prepare
+from engine.models import (
+    ScalarHead,
+    check_fits,
+    frozen,
+    load_causal_lm,
+    load_scalar_model,
+    load_tokenizer,
+    prepare,
+    token_logprobs,
+)
 from engine.ops import masked_mean, masked_whiten
 from engine.ppo import (
     AdaptiveKLController,
@@ -47,7 +56,6 @@ from engine.rollout import (
     gather_rollout,
     logged_samples,
     make_rollout,
-    response_logprobs,
     response_values,
     samples_due,
     text_scorer,
@@ -367,7 +375,7 @@ def minibatch_gradients(
         last = u + mbs >= len(own_inds)  # DDP averages the accumulated gradients after this one
         qr, am, mk = ro.query_responses[inds], ro.attention_mask[inds], mask[inds]
         with ranks.no_sync(trained_policy, last), torch.set_grad_enabled(train_policy):
-            new_logprobs, token_entropy = response_logprobs(
+            new_logprobs, token_entropy = token_logprobs(
                 trained_policy, qr, am, ro.context_length, cfg.temperature, entropy=True, entropy_grad=entropy_in_loss
             )
             assert token_entropy is not None

@@ -13,14 +13,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.distributed import Ranks
 from engine.generate import sample
-from engine.models import ScalarHead, folded_adapters, lm_logits, output_layer
-from engine.ops import (
-    chunked_logprobs,
-    entropy_from_logits,
-    logprobs_from_logits,
-    position_ids_from_mask,
-    truncate_after_stop,
-)
+from engine.models import ScalarHead, folded_adapters, token_logprobs
+from engine.ops import truncate_after_stop
 from engine.reward import score_texts, sequence_scores
 
 
@@ -47,49 +41,6 @@ class Rollout:
     """Critic's values of the states before each response token: (B, T)."""
     scores: torch.Tensor
     """Reward model's score at the last kept token: (B,)."""
-
-
-LOGITS_CHUNK_BYTES = 2**28
-"""The most float32 logits a log-probability pass holds at once: 256 MiB, 1335 positions of GPT-2's vocabulary
-(50,257), 523 of Llama 3's (128,256). A small vocabulary's batch is taken in one piece."""
-
-
-def response_logprobs(
-    model: torch.nn.Module,
-    query_responses: torch.Tensor,
-    attention_mask: torch.Tensor,
-    context_length: int,
-    temperature: float,
-    entropy: bool = False,
-    entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probabilities of the response tokens at ``temperature``, and the entropy of each position's
-    distribution when ``entropy`` (with a gradient when ``entropy_grad``): (B, T), (B, T) or None.
-
-    The model runs to its last hidden state; the logits are made from it :data:`LOGITS_CHUNK_BYTES` at a time
-    (:func:`engine.ops.chunked_logprobs`), so the (B, T, V) logits never exist at once. An architecture that
-    scales or caps its logits (:func:`engine.models.output_layer` is None) is read through its own forward.
-    """
-    T = query_responses.shape[1] - context_length
-    tokens = query_responses[:, context_length:]
-    head = output_layer(model)
-    if head is None:
-        logits = lm_logits(model, query_responses, attention_mask, last=T + 1)[:, :-1] / temperature  # (B, T, V)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-            ent = entropy_from_logits(logits) if entropy else None
-        return logprobs_from_logits(logits, tokens), ent
-    hidden = model(
-        input_ids=query_responses,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-        logits_to_keep=1,  # the logits are made below, in chunks
-        output_hidden_states=True,
-    ).hidden_states[-1][:, context_length - 1 : -1]  # (B, T, H): the states before each response token
-    vocab = head.weight
-    assert isinstance(vocab, torch.Tensor)  # (V, H)
-    chunk = max(1, LOGITS_CHUNK_BYTES // (4 * vocab.shape[0]))
-    return chunked_logprobs(lambda h: head(h) / temperature, hidden, tokens, chunk, entropy, entropy_grad)
 
 
 def response_values(
@@ -242,7 +193,7 @@ def make_rollout(
     for c in chunks:
         qr, am = query_responses[c], attention_mask[c]
         with base_of(policy) if ref_policy is None else nullcontext():
-            ref_logprobs.append(response_logprobs(ref_policy or policy, qr, am, P, temperature)[0])
+            ref_logprobs.append(token_logprobs(ref_policy or policy, qr, am, P, temperature)[0])
         scores.append(scorer(rows[c], qr, am, P))
     with folded_adapters(value_model):  # after the scorer, which may take the critic's base (adapters disabled)
         values = [response_values(ScalarHead(value_model), query_responses[c], attention_mask[c], P) for c in chunks]

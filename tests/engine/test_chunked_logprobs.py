@@ -1,5 +1,5 @@
 """Log-probabilities over the vocabulary in chunks (``engine.ops.chunked_logprobs``, used by
-``engine.rollout.response_logprobs`` for every PPO and GRPO forward): the numbers and gradients of the whole
+``engine.models.token_logprobs`` for every SFT, DPO, PPO and GRPO forward): the numbers and gradients of the whole
 (B, T, V) logits, without holding them, on the models users bring, with LoRA and under DistributedDataParallel;
 architectures that scale their logits are read through their own forward."""
 
@@ -9,12 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from transformers import Gemma2Config, Gemma2ForCausalLM, PreTrainedModel
 
-from engine import rollout
+from engine import models
 from engine.config import LoraSpec
-from engine.models import apply_lora, lm_logits, load_causal_lm, load_tokenizer, output_layer
+from engine.dpo_train import completion_logps
+from engine.models import apply_lora, lm_logits, load_causal_lm, load_tokenizer, output_layer, token_logprobs
 from engine.ops import chunked_logprobs, entropy_from_logits, logprobs_from_logits
+from engine.sft import completion_loss_sum
 from tests.helpers import free_port
 from tests.models import build_model
 
@@ -87,15 +90,15 @@ def sequences(vocab: int) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 def compare(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, vocab: int) -> None:
-    """response_logprobs in chunks of 5 positions against the whole logits: values and every gradient."""
-    monkeypatch.setattr(rollout, "LOGITS_CHUNK_BYTES", 4 * vocab * 5)
+    """token_logprobs in chunks of 5 positions against the whole logits: values and every gradient."""
+    monkeypatch.setattr(models, "LOGITS_CHUNK_BYTES", 4 * vocab * 5)
     qr, am, P = sequences(vocab)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def run(chunked: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         model.zero_grad()
         if chunked:
-            logprobs, entropy = rollout.response_logprobs(model, qr, am, P, 0.9, entropy=True, entropy_grad=True)
+            logprobs, entropy = token_logprobs(model, qr, am, P, 0.9, entropy=True, entropy_grad=True)
             assert entropy is not None
         else:
             logprobs, entropy = reference_logprobs(model, qr, am, P, 0.9)
@@ -115,7 +118,7 @@ def causal_lm(folder: Path, arch: str) -> PreTrainedModel:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])
-def test_response_logprobs_in_chunks_match_the_whole_logits(
+def test_token_logprobs_in_chunks_match_the_whole_logits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str
 ) -> None:
     model = causal_lm(tmp_path, arch)
@@ -164,11 +167,43 @@ def test_an_architecture_that_caps_its_logits_is_read_through_its_own_forward(
     )
     model = Gemma2ForCausalLM(config)
     assert output_layer(model) is None
-    monkeypatch.setattr(rollout, "LOGITS_CHUNK_BYTES", 4 * 64 * 5)
+    monkeypatch.setattr(models, "LOGITS_CHUNK_BYTES", 4 * 64 * 5)
     qr, am, P = sequences(64)
-    logprobs, entropy = rollout.response_logprobs(model, qr, am, P, 0.9, entropy=True)
+    logprobs, entropy = token_logprobs(model, qr, am, P, 0.9, entropy=True)
     ref_logprobs, ref_entropy = reference_logprobs(model, qr, am, P, 0.9)  # the capped logits
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=0)
     torch.testing.assert_close(entropy, ref_entropy, rtol=0, atol=0)
     model.config.final_logit_softcapping = None  # the same weights without the cap answer otherwise
     assert not torch.allclose(reference_logprobs(model, qr, am, P, 0.9)[0], logprobs, atol=1e-3)
+
+
+def test_the_sft_and_dpo_losses_in_chunks_are_those_of_the_whole_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SFT's summed completion cross-entropy and DPO's sequence log-probs, from token_logprobs in chunks of
+    3 positions, against the whole logits: values and gradients."""
+    model = causal_lm(tmp_path, "qwen2")
+    monkeypatch.setattr(models, "LOGITS_CHUNK_BYTES", 4 * model.config.vocab_size * 3)
+    qr, am, _ = sequences(model.config.vocab_size)
+    labels = torch.where(am.bool(), qr, -100)
+    labels[:, :4] = -100  # the prompt is not trained
+    batch = {"input_ids": qr, "attention_mask": am, "labels": labels}
+
+    def grads_of(loss: torch.Tensor) -> list[torch.Tensor]:
+        model.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    chunked_sft = completion_loss_sum(model, batch)
+    chunked_grads = grads_of(chunked_sft)
+    logits = lm_logits(model, qr, am)
+    whole_sft = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
+    torch.testing.assert_close(chunked_sft, whole_sft, rtol=1e-5, atol=1e-5)
+    for a, b in zip(chunked_grads, grads_of(whole_sft), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+    with torch.no_grad():
+        whole_logps = -F.cross_entropy(
+            lm_logits(model, qr, am)[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none"
+        ).sum(-1)
+        torch.testing.assert_close(completion_logps(model, batch), whole_logps, rtol=1e-5, atol=1e-5)

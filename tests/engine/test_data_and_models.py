@@ -27,9 +27,9 @@ from engine.models import (
     load_causal_lm,
     load_tokenizer,
     resolve_model_ref,
+    token_logprobs,
 )
 from engine.ops import truncate_after_stop
-from engine.rollout import response_logprobs
 from engine.rows import fine_tune_kind, validate_row
 from tests.engine.helpers import make_spec, train
 from tests.models import IM_END, build_tokenizer
@@ -516,7 +516,7 @@ def test_sampled_logprobs_are_those_of_a_full_forward(sft_model):
     raw, logprobs = sample(model, ids, mask, 18, 0.7, top_k=5, eos_token_id=tokenizer.eos_token_id, generator=generator)
     responses, kept, stopped = truncate_after_stop(raw, tokenizer.eos_token_id, tokenizer.pad_token_id)
     assert stopped.any() and not stopped.all(), "this seed should give rows of both kinds"
-    full, _ = response_logprobs(model, torch.cat([ids, responses], 1), torch.cat([mask, kept], 1), ids.shape[1], 0.7)
+    full, _ = token_logprobs(model, torch.cat([ids, responses], 1), torch.cat([mask, kept], 1), ids.shape[1], 0.7)
     assert_close(logprobs * kept, full * kept, atol=1e-5, rtol=0)
     assert (logprobs[kept.bool()] < 0).all()
 

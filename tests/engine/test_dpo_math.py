@@ -7,6 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from engine.dpo import DPOLossOut, dpo_loss, sequence_logps
+from engine.ops import logprobs_from_logits
 
 # --- sequence_logps ------------------------------------------------------------------------------
 
@@ -30,6 +31,12 @@ def _batch(seed: int, shape: tuple[int, int, int], rows: list[tuple[int, int]], 
     return logits, labels
 
 
+def _sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """What DPO computes of whole logits: each next token's log-prob (engine.models.token_logprobs from position
+    1, the logits made at once), summed over the trained tokens."""
+    return sequence_logps(logprobs_from_logits(logits[:, :-1], labels[:, 1:].clamp(min=0)), labels)
+
+
 def _naive_sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> list[float]:
     """Σ over trained positions t of log softmax(logits[t - 1])[label_t], one float per row."""
     B, L, V = logits.shape
@@ -50,7 +57,7 @@ def _naive_sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> list[fl
 def test_sequence_logps(case: int):
     shape, rows = SEQ_CASES[case]
     logits, labels = _batch(case, shape, rows)
-    out = sequence_logps(logits, labels)
+    out = _sequence_logps(logits, labels)
     assert out.shape == (shape[0],) and out.dtype == torch.float64
     for i, expected in enumerate(_naive_sequence_logps(logits, labels)):
         assert out[i].item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
@@ -66,7 +73,7 @@ def test_sequence_logps_ignores_masked_positions():
     shape, rows = SEQ_CASES[0]
     logits, labels = _batch(10, shape, rows)
     logits.requires_grad_(True)
-    out = sequence_logps(logits, labels)
+    out = _sequence_logps(logits, labels)
     out.sum().backward()
     assert logits.grad is not None
     predicts_trained = torch.zeros(shape[:2], dtype=torch.bool)
@@ -76,13 +83,13 @@ def test_sequence_logps_ignores_masked_positions():
 
     perturbed = logits.detach().clone()
     perturbed[~predicts_trained] += 100 * torch.randn_like(perturbed[~predicts_trained], dtype=torch.float64)
-    assert_close(sequence_logps(perturbed, labels), out.detach(), rtol=0, atol=0)
+    assert_close(_sequence_logps(perturbed, labels), out.detach(), rtol=0, atol=0)
 
 
 def test_sequence_logps_half_precision_upcasts():
     shape, rows = SEQ_CASES[2]
     logits, labels = _batch(11, shape, rows)
-    out = sequence_logps(logits.bfloat16(), labels)
+    out = _sequence_logps(logits.bfloat16(), labels)
     assert out.dtype == torch.float32
     expected = torch.tensor(_naive_sequence_logps(logits.bfloat16().double(), labels), dtype=torch.float32)
     assert_close(out, expected, rtol=1e-5, atol=1e-5)

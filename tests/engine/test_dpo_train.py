@@ -21,6 +21,7 @@ from engine.data import load_rows
 from engine.dpo import sequence_logps
 from engine.dpo_train import encode_preference_batch
 from engine.loop import JobResult
+from engine.ops import logprobs_from_logits
 from tests.engine.helpers import (
     COMMON_METRICS,
     Pretrained,
@@ -172,7 +173,8 @@ def test_eval_rewards_are_the_saved_policy_against_the_sft_model(
             mask = batch["attention_mask"]
             with torch.no_grad():
                 logits = model(input_ids=batch["input_ids"], attention_mask=mask).logits
-            parts.append(sequence_logps(logits, batch["labels"]).view(2, -1))
+            token_logps = logprobs_from_logits(logits[:, :-1], batch["input_ids"][:, 1:])
+            parts.append(sequence_logps(token_logps, batch["labels"]).view(2, -1))
     policy, sft = torch.cat(logps[policy_dir], 1), torch.cat(logps[sft_dir], 1)  # (2, pairs): chosen, rejected
     rewards = BETA * (policy - sft)
     final = rec.metrics[STEPS]
