@@ -32,7 +32,7 @@ from engine.models import (
 from engine.ops import truncate_after_stop
 from engine.rows import fine_tune_kind, validate_row
 from tests.engine.helpers import make_spec, train
-from tests.models import IM_END, build_tokenizer
+from tests.models import IM_END, build_model, build_tokenizer
 from tests.recorder import Recorder
 
 # --- JSONL datasets -------------------------------------------------------------------------------
@@ -532,6 +532,14 @@ def test_fused_gelu_computes_gpt2s_gelu(sft_dir):
     assert not any(type(m) is NewGELUActivation for m in model.modules())
     assert any(type(m) is GELUTanh for m in model.modules())
     assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["builtin", "llama", "gpt_neox"])
+def test_models_load_with_pytorchs_fused_attention(tmp_path, arch):
+    """Scaled dot-product attention (flash or memory-efficient kernels on CUDA), not the eager matmul-softmax."""
+    ref = "builtin:tiny" if arch == "builtin" else str(build_model(arch, tmp_path / arch))
+    model = load_causal_lm(ref, load_tokenizer(ref), seed=0)
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_generate_with_a_prompt_longer_than_the_context(sft_model):
