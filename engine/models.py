@@ -187,9 +187,10 @@ def lm_logits(
     return out.logits
 
 
-SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier")
 """Config fields of architectures whose logits are more than the output layer of the last hidden state (Gemma 2's
-soft cap, Cohere's and Granite's scales): :func:`output_layer` gives None for them."""
+soft cap, Cohere's, Granite's and HyperCLOVA X's scales, Falcon-H1's multiplier): :func:`output_layer` gives None
+for them unless the field is unset or 1."""
 
 
 def output_layer(model: torch.nn.Module) -> torch.nn.Module | None:

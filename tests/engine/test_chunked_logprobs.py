@@ -15,7 +15,15 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, PreTrainedModel
 from engine import models
 from engine.config import LoraSpec
 from engine.dpo_train import completion_logps
-from engine.models import apply_lora, lm_logits, load_causal_lm, load_tokenizer, output_layer, token_logprobs
+from engine.models import (
+    SCALED_LOGITS,
+    apply_lora,
+    lm_logits,
+    load_causal_lm,
+    load_tokenizer,
+    output_layer,
+    token_logprobs,
+)
 from engine.ops import chunked_logprobs, entropy_from_logits, logprobs_from_logits
 from engine.sft import completion_loss_sum
 from tests.helpers import free_port
@@ -207,3 +215,12 @@ def test_the_sft_and_dpo_losses_in_chunks_are_those_of_the_whole_logits(
             lm_logits(model, qr, am)[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none"
         ).sum(-1)
         torch.testing.assert_close(completion_logps(model, batch), whole_logps, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("field", SCALED_LOGITS)
+def test_a_logit_scale_in_the_config_sends_the_model_through_its_own_forward(tmp_path: Path, field: str) -> None:
+    model = causal_lm(tmp_path, "llama")
+    setattr(model.config, field, 1.0)  # unset or 1: the output layer's logits are the model's
+    assert output_layer(model) is model.get_output_embeddings()
+    setattr(model.config, field, 0.5)
+    assert output_layer(model) is None
