@@ -17,9 +17,9 @@ test: install
 	$(PYTHON) -m pytest -q
 
 lint:
-	ruff check .
-	ruff format --check .
-	mypy
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy
 
 # Benchmarks only: TRL 1.12.0 (the last release with a PPO trainer) for benchmarks/ppo_vs_trl.py, installed
 # without its dependencies so that it changes nothing of the pinned stack, then what it needs besides.
