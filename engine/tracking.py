@@ -23,7 +23,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
@@ -118,6 +118,27 @@ class TrackingOptions:
     """W&B's mode: run files in ``<out>/wandb/`` for ``wandb sync``, or straight to the W&B server."""
     wandb_project: str = "rlhf-server"
     """The W&B project of the run."""
+
+
+def quiet_environment(folder: Path, environment: Mapping[str, str]) -> dict[str, str]:
+    """The environment variables, of those ``environment`` does not set already, that keep the trackers' libraries
+    to the places a job configures: no usage telemetry (MLflow's, and any library honouring ``DO_NOT_TRACK``), no
+    error reports (W&B's), and W&B's own cache, config and data folders (its service's logs, an artifact cache)
+    under ``folder`` instead of the user's home.
+
+    The libraries read them when they start, so the process that runs jobs sets them first, before any job: the
+    train worker (``jobs/runner.py``) and ``rlhf train`` (``jobs/cli.py``); the engine itself reads no environment.
+    A variable the operator sets keeps the operator's value.
+    """
+    wanted = {
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "true",
+        "WANDB_ERROR_REPORTING": "false",
+        "WANDB_CACHE_DIR": str(folder / "wandb-cache"),
+        "WANDB_CONFIG_DIR": str(folder / "wandb-config"),
+        "WANDB_DATA_DIR": str(folder / "wandb-data"),
+    }
+    return {name: value for name, value in wanted.items() if name not in environment}
 
 
 def switched_on(spec: JobSpec, server_wide: Iterable[str] = ()) -> tuple[TrackingBackend, ...]:
@@ -345,7 +366,10 @@ class WandB:
         self.run.log(metrics, step=step)
 
     def finish(self, status: str) -> None:
+        import wandb
+
         self.run.finish(exit_code=1 if status == "failed" else 0)
+        wandb.teardown()  # its wandb-core service process ends with the job, not with the worker
 
 
 def mlflow_key(name: str) -> str:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from engine import cli as engine_cli
+from engine.tracking import quiet_environment
 from jobs import client, supervisor
 from jobs.client import KEY_FILE, ClientError
 from jobs.store import bootstrap
@@ -197,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bars
     args = build_parser().parse_args(argv)
+    if args.command == "train":  # before a tracker's library starts: see engine.tracking.quiet_environment
+        os.environ.update(quiet_environment(args.out / "trackers", os.environ))
     try:
         engine_cli.run_command(args)
     except ClientError as e:

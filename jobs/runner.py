@@ -45,7 +45,7 @@ from engine.loop import NonFiniteLossError
 from engine.models import ModelNotFoundError
 from engine.rows import ChatTemplateMissingError
 from engine.run import run_job as run_engine
-from engine.tracking import Tracker, TrackingOptions, switched_on
+from engine.tracking import Tracker, TrackingOptions, quiet_environment, switched_on
 from jobs.distributed import RankFailure, run_distributed
 from jobs.downloads import DownloadStopped, HubDownloadError, download
 from jobs.store import crud, refs
@@ -465,6 +465,8 @@ def _tracker(job_id: str, spec: JobSpec, settings: Settings, out_dir: Path, call
     backends = switched_on(spec, settings.tracking)
     if not backends:
         return None
+    # before the trackers' libraries start: nothing sent that the operator did not configure, nothing in ~/.cache
+    os.environ.update(quiet_environment(settings.resolved_artifacts_dir / "trackers", os.environ))
     options = TrackingOptions(
         backends,
         run_name=job_id,

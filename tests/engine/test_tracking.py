@@ -178,11 +178,67 @@ def test_a_tracker_that_hangs_does_not_hold_the_job_up(tmp_path: Path, monkeypat
 # --- rlhf train -------------------------------------------------------------------------------------
 
 
-def rlhf_train(spec_file: Path, out: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``rlhf train`` (``python -m engine.cli``) of this checkout, in a process of its own."""
-    command = [sys.executable, "-m", "engine.cli", "train", str(spec_file), "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def rlhf_train(
+    spec_file: Path, out: Path, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``rlhf train`` (``python -m jobs.cli``) of this checkout, in a process of its own."""
+    command = [sys.executable, "-m", "jobs.cli", "train", str(spec_file), "--out", str(out)]
+    env = {**(os.environ if env is None else env), "PYTHONPATH": str(ROOT)}
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_the_trackers_write_nothing_outside_the_job_and_report_nothing(tmp_path: Path) -> None:
+    # As a user's shell has it: a home of its own, none of W&B's or MLflow's variables, and none of the CI and
+    # pytest variables by which MLflow switches its telemetry off by itself.
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("WANDB_", "MLFLOW_", "XDG_")) and name not in ("CI", "PYTEST_CURRENT_TEST")
+    }
+    env["HOME"] = str(home)
+    spec = {
+        "type": "sft",
+        "model": "builtin:tiny",
+        "dataset": "builtin:reviews-sft",
+        "hyperparameters": {"max_steps": 2, "batch_size": 8},
+        "tracking": {"mlflow": True, "wandb": True},
+    }
+    spec_file, out = tmp_path / "spec.yaml", tmp_path / "job"
+    spec_file.write_text(yaml.safe_dump(spec))
+    proc = rlhf_train(spec_file, out, tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "tracking with" not in proc.stderr + proc.stdout  # both trackers wrote their runs
+    assert mlflow_run_id(out) and wandb_run_files(out)
+    # today MLflow leaves ~/.config/mlflow/telemetry.json and W&B ~/.cache/wandb/logs/core-debug-*.log
+    assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == []
+
+
+def test_no_wandb_service_outlives_the_job(tmp_path: Path) -> None:
+    tracked(sft(), tmp_path / "job", TrackingOptions(("wandb",), run_name="job_service"))
+    assert wandb_run_files(tmp_path / "job")
+    assert [pid for pid in child_processes() if "wandb-core" in command_line(pid)] == []
+
+
+def child_processes() -> list[int]:
+    """The ids of this process's living children (from /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended meanwhile
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            children.append(int(stat.parent.name))
+    return children
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def test_rlhf_train_writes_metrics_jsonl_and_the_trackers_into_its_folder(tmp_path: Path) -> None:
