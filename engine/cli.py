@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from engine.callbacks import Callbacks
 from engine.config import JOB_TYPES, JobSpec, format_errors
+from engine.rows import Message
 from engine.tracking import METRICS_FILE, MetricsFile, Tracker, TrackingOptions, switched_on
 
 
@@ -123,7 +124,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(ref)
     model = load_causal_lm(ref, tokenizer, seed=args.seed)
     model.to(pick_device())  # type: ignore[arg-type]
-    completions = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    prompts = chat_prompts(args.prompt, args.system) if args.chat else args.prompt
+    completions = generate(model, tokenizer, prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed)
     for c in completions:
         print(json.dumps({"prompt": c.prompt, "text": c.text, "finish_reason": c.finish_reason}))
 
@@ -180,6 +182,18 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user turn, rendered with the model's chat template and its generation prompt",
+    )
+    p.add_argument("--system", help="with --chat: a system turn before each user turn")
+
+
+def chat_prompts(texts: list[str], system: str | None) -> list[list[Message]]:
+    """Each text as a one-turn conversation (after a system turn, when given), as chat rows are."""
+    before: list[Message] = [{"role": "system", "content": system}] if system else []
+    return [[*before, {"role": "user", "content": text}] for text in texts]
 
 
 def run_command(args: argparse.Namespace) -> None:

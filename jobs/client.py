@@ -243,8 +243,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
     """``rlhf generate JOB PROMPT``: sample from a job's checkpoint on the server."""
     if args.job is None or not (args.prompt or args.prompt_text):
         raise SystemExit("usage: rlhf generate JOB PROMPT [--checkpoint N], or rlhf generate --model DIR --prompt TEXT")
+    prompts = (args.prompt or []) + ([args.prompt_text] if args.prompt_text else [])
+    if args.chat:
+        chat(args, prompts)
+        return
     body = {
-        "prompts": (args.prompt or []) + ([args.prompt_text] if args.prompt_text else []),
+        "prompts": prompts,
         "checkpoint": args.checkpoint,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
@@ -255,3 +259,33 @@ def cmd_generate(args: argparse.Namespace) -> None:
     result = client_for(args).request("POST", f"/v1/jobs/{args.job}/generate", json=body)
     for completion in result["completions"]:
         print(json.dumps({"checkpoint": result["checkpoint"], **completion}))
+
+
+def chat(args: argparse.Namespace, prompts: list[str]) -> None:
+    """``rlhf generate JOB PROMPT --chat``: each prompt a user turn to the job's model (or ``--checkpoint N``)
+    through ``/v1/chat/completions``, which renders it with the model's chat template."""
+    if args.score:
+        raise SystemExit("rlhf generate --chat cannot --score; leave out one of them")
+    model = f"job:{args.job}" if args.checkpoint == "latest" else f"job:{args.job}@{args.checkpoint}"
+    client = client_for(args)
+    for messages in engine_cli.chat_prompts(prompts, args.system):
+        body = {
+            "model": model,
+            "messages": messages,
+            "max_completion_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "seed": args.seed,
+        }
+        result = client.request("POST", "/v1/chat/completions", json=body)
+        choice = result["choices"][0]
+        print(
+            json.dumps(
+                {
+                    "model": model,
+                    "prompt": messages,
+                    "text": choice["message"]["content"],
+                    "finish_reason": choice["finish_reason"],
+                }
+            )
+        )

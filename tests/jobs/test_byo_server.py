@@ -2,8 +2,11 @@
 with chat data, trained SFT → RM → PPO with LoRA, answering ``/v1/chat/completions``; and fine-tuned through OpenAI's
 fine-tuning API with the official ``openai`` client."""
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,10 +18,12 @@ import pytest
 import torch
 
 from engine.config import JobSpec
+from engine.generate import generate
+from engine.models import load_causal_lm, load_tokenizer
 from engine.run import run_job
 from jobs.client import Client, ClientError
 from jobs.demo import embedded_server
-from tests.models import build_model, chat_rows, openai_rows, write_jsonl
+from tests.models import SYSTEM_PROMPT, build_model, chat_rows, openai_rows, write_jsonl
 from tests.test_e2e import finished, free_port, wait_for
 
 LORA = {"r": 8, "alpha": 16}
@@ -155,3 +160,39 @@ def test_the_openai_sdk_fine_tunes_a_llama_three_ways_and_chats_with_it(
     assert [native[job_id]["name"] for job_id in created.values()] == list(methods)
     rewards = c.request("GET", f"/v1/jobs/{created['reinforcement']}/metrics", params={"names": "reward/mood"})
     assert len(rewards["data"]["reward/mood"]) == 2  # 8 prompts in batches of 4: two steps, the grader's reward
+
+
+def test_rlhf_generate_chats_with_a_job_and_with_a_model_folder(server: tuple[Client, Path], tmp_path: Path) -> None:
+    c, root = server
+    dataset = c.upload_file(write_jsonl(chat_rows("sft_messages", 16), tmp_path / "sft.jsonl"), "sft")["id"]
+    sft = c.create_job({"type": "sft", "model": "llama", "dataset": dataset,
+                        "hyperparameters": {"max_steps": 2, "batch_size": 8}})  # fmt: skip
+    assert wait_for(c, sft["id"], finished)["status"] == "succeeded"
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "the film was"}]
+    sampling = ["--chat", "--system", SYSTEM_PROMPT, "--temperature", "0", "--max-new-tokens", "6"]
+    key = c.http.headers["Authorization"].removeprefix("Bearer ")
+
+    # the server's job: its chat template renders the turns, as /v1/chat/completions does
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.cli", "generate", sft["id"], "the film was", *sampling, "--url", c.url,
+         "--api-key", key],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    chat = c.request("POST", "/v1/chat/completions", json={
+        "model": f"job:{sft['id']}", "messages": messages, "max_tokens": 6, "temperature": 0})  # fmt: skip
+    assert line["prompt"] == messages and line["text"] == chat["choices"][0]["message"]["content"]
+
+    # a local folder, no server: the same rendering as a chat prompt row gets in training
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.cli", "generate", "--model", str(root / "llama"), "--prompt", "the film was",
+         *sampling],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    tokenizer = load_tokenizer(str(root / "llama"))
+    model = load_causal_lm(str(root / "llama"), tokenizer, seed=0)
+    [expected] = generate(model, tokenizer, [messages], max_new_tokens=6, temperature=0)
+    assert line["prompt"] == messages and line["text"] == expected.text
