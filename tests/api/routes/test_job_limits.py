@@ -1,9 +1,18 @@
-"""Resource limits a job spec is checked against at submit, before any worker takes it."""
+"""Resource limits a job spec is checked against at submit, before any worker takes it; the bound on a project's
+queued and waiting jobs, and what submitting and cancelling cost with many of them."""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from fastapi.testclient import TestClient
+from sqlalchemy import event
 
+from api.main import create_app
+from jobs.store.db import engine_for
 from jobs.store.settings import Settings
-from tests.api.helpers import SFT_SPEC, Calls, error_of
+from tests.api.helpers import RM_SPEC, SFT_SPEC, Calls, Db, error_of
+from tests.factories import Project, new_project
 
 
 def test_more_processes_than_the_workers_have_are_refused(client: TestClient, calls: Calls, settings: Settings) -> None:
@@ -18,3 +27,68 @@ def test_more_processes_than_the_workers_have_are_refused(client: TestClient, ca
     assert calls.enqueued == []
     spec["resources"] = {"num_processes": 8}
     assert client.post("/v1/jobs", json=spec).status_code == 201
+
+
+@contextmanager
+def counted_statements(settings: Settings) -> Iterator[list[str]]:
+    """The SQL statements run on the app's database meanwhile."""
+    statements: list[str] = []
+    engine = engine_for(settings.resolved_database_url)
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        yield statements
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+
+
+def test_queued_and_waiting_jobs_per_project_are_bounded(settings: Settings, project: Project, db: Db) -> None:
+    bounded = settings.model_copy(update={"max_pending_jobs": 3})
+    calls = Calls()
+    app = create_app(bounded, enqueue=calls.enqueue, recovery_interval=None)
+    with TestClient(app, headers=project.headers) as client:
+        first = client.post("/v1/jobs", json=SFT_SPEC, headers={"Idempotency-Key": "one"}).json()["id"]
+        waiting = client.post("/v1/jobs", json={**RM_SPEC, "model": f"job:{first}"}).json()
+        assert waiting["status"] == "waiting"
+        pipeline = client.post("/v1/pipelines", json={"stages": {"a": SFT_SPEC, "b": SFT_SPEC}})
+        assert (pipeline.status_code, error_of(pipeline)["code"]) == (429, "too_many_pending_jobs")  # 2 + 2 > 3
+        assert client.post("/v1/jobs", json=SFT_SPEC).status_code == 201
+        refused = client.post("/v1/jobs", json=SFT_SPEC)
+        assert (refused.status_code, error_of(refused)["code"]) == (429, "too_many_pending_jobs")
+        assert "RLHF_MAX_PENDING_JOBS" in error_of(refused)["message"]
+        again = client.post("/v1/jobs", json=SFT_SPEC, headers={"Idempotency-Key": "one"})
+        assert (again.status_code, again.json()["id"]) == (200, first)  # a retry adds nothing: not refused
+        db.status(first, "running")  # started: no longer counted
+        assert client.post("/v1/jobs", json=SFT_SPEC).status_code == 201
+        assert client.post(f"/v1/jobs/{waiting['id']}/cancel").json()["status"] == "cancelled"
+        assert client.post("/v1/jobs", json=SFT_SPEC).status_code == 201
+    other = new_project(settings, "other")  # the bound is per project
+    with TestClient(app, headers=other.headers) as client:
+        assert client.post("/v1/jobs", json=SFT_SPEC).status_code == 201
+
+
+def test_submit_and_cancel_do_not_read_every_waiting_job(
+    client: TestClient, settings: Settings, project: Project, db: Db
+) -> None:
+    """Submitting a job that waits, and cancelling a job, touch only the jobs involved: as many statements with 2
+    waiting jobs in the project as with 22."""
+    running = db.job(project.id, status="running")
+
+    def wait_for_running(count: int) -> None:
+        for _ in range(count):
+            db.job(project.id, spec={**RM_SPEC, "model": f"job:{running}"}, status="waiting")
+
+    def submit_and_cancel() -> int:
+        queued = db.job(project.id)
+        with counted_statements(settings) as statements:
+            assert client.post("/v1/jobs", json={**RM_SPEC, "model": f"job:{queued}"}).json()["status"] == "waiting"
+            assert client.post(f"/v1/jobs/{queued}/cancel").json()["status"] == "cancelled"
+        return len(statements)
+
+    wait_for_running(2)
+    few = submit_and_cancel()
+    wait_for_running(20)
+    assert submit_and_cancel() == few
