@@ -121,7 +121,12 @@ class Settings(BaseSettings):
     def prepare_data_dir(self) -> None:
         """Create ``data_dir`` and the SQLite stores of the embedded defaults (database, broker, results) owner-only
         (0600, as uploads and the key file are), before anything opens them: they hold every project's specs,
-        metrics and task messages. SQLite gives its -wal and -shm files the database file's mode."""
+        metrics and task messages. SQLite gives its -wal and -shm files the database file's mode.
+
+        From here on this process (and those it starts: torchrun's, ``rlhf serve``'s) creates every file owner-only
+        (umask 077: folders 0700, files 0600): job folders hold specs with grader URLs and their credentials,
+        checkpoints and uploads. Every process of the service runs as the one user that owns the data."""
+        os.umask(0o077)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         for url in (self.resolved_database_url, self.resolved_broker_url, self.resolved_result_backend):
             scheme, _, path = url.partition(":///")

@@ -109,6 +109,10 @@ def exercise_worker(settings: Settings, tmp_path: Path) -> None:
     job = get_job(settings, job_id)
     assert (job.step, job.output_step, job.worker) == (4, 4, None)
     assert get_job(settings, orphan).attempt == 2
+    folder = settings.resolved_artifacts_dir / "jobs" / job_id  # spec.json, checkpoints: owner-only
+    modes = {path: path.stat().st_mode & 0o777 for path in [folder, *folder.rglob("*")]}
+    assert (folder / "spec.json") in modes and any(path.suffix == ".safetensors" for path in modes)
+    assert {path: mode for path, mode in modes.items() if mode != (0o700 if path.is_dir() else 0o600)} == {}
     for ran_once in (job_id, unsent, orphan):  # job_id had two messages: the test's and the start sweep's
         runs = [e for e in events(settings, ran_once) if e.message.startswith("running on")]
         assert (get_job(settings, ran_once).status, len(runs)) == ("succeeded", 1)
