@@ -469,6 +469,25 @@ def list_events(
     return rows[:limit], len(rows) > limit
 
 
+def list_numbered_events(
+    session: Session, *, job_id: str, before: int | None, limit: int
+) -> tuple[list[tuple[int, Event]], bool]:
+    """A page of the job's events newest first, each with its number within the job (1 for its first event), those
+    numbered below ``before`` when given."""
+    numbered = (
+        select(Event.id.label("event_id"), func.row_number().over(order_by=Event.id).label("number"))
+        .where(Event.job_id == job_id)
+        .subquery()
+    )
+    stmt = select(Event, numbered.c.number).join(numbered, Event.id == numbered.c.event_id)
+    if before is not None:
+        stmt = stmt.where(numbered.c.number < before)
+    rows = [
+        (number, event) for event, number in session.execute(stmt.order_by(numbered.c.number.desc()).limit(limit + 1))
+    ]
+    return rows[:limit], len(rows) > limit
+
+
 def metrics_after(session: Session, *, job_id: str, after: int, limit: int) -> list[Metric]:
     """Metric rows in insertion order after row id ``after`` (the SSE stream's cursor)."""
     stmt = select(Metric).where(Metric.job_id == job_id, Metric.id > after).order_by(Metric.id).limit(limit)

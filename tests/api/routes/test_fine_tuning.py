@@ -250,3 +250,25 @@ def test_jobs_list_retrieve_control_events_and_checkpoints(
     done = oa.fine_tuning.jobs.retrieve(model.removeprefix("job:"))
     assert (done.status, done.fine_tuned_model) == ("succeeded", model)
     assert oa.models.retrieve(model).id == model  # a model of /v1/models and the chat route
+
+
+def test_event_and_checkpoint_ids_count_within_their_job(
+    oa: openai.OpenAI, project: Project, db: Db, model: str
+) -> None:
+    """Ids say nothing of other jobs' activity: a job's first event is ftevent-1 however busy the server is, and a
+    checkpoint is named by its step."""
+    busy = db.job(project.id, spec=SFT_SPEC)
+    for n in range(5):
+        db.event(busy, f"other job's event {n}")
+    job_id = db.job(project.id, spec=SFT_SPEC)
+    db.event(job_id, "one")
+    db.event(busy, "interleaved")
+    db.event(job_id, "two")
+    db.checkpoint(job_id, 20, kept=(20,))
+    events = oa.fine_tuning.jobs.list_events(job_id, limit=100).data
+    count = len(events)
+    assert [e.id for e in events] == [f"ftevent-{n}" for n in range(count, 0, -1)]
+    assert [e.message for e in events[:2]] == ["checkpoint at step 20", "two"]
+    older = oa.fine_tuning.jobs.list_events(job_id, after=events[1].id, limit=1)
+    assert [e.message for e in older.data] == ["one"] and not older.has_more
+    assert [c.id for c in oa.fine_tuning.jobs.checkpoints.list(job_id).data] == ["ftckpt-20"]
