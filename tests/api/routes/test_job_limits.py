@@ -5,13 +5,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import event
 
 from api.main import create_app
+from engine.config import MAX_BATCH_SIZE
 from jobs.store.db import engine_for
 from jobs.store.settings import Settings
-from tests.api.helpers import RM_SPEC, SFT_SPEC, Calls, Db, error_of
+from tests.api.helpers import PPO_SPEC, RM_SPEC, SFT_SPEC, Calls, Db, error_of
 from tests.factories import Project, new_project
 
 
@@ -92,3 +94,32 @@ def test_submit_and_cancel_do_not_read_every_waiting_job(
     few = submit_and_cancel()
     wait_for_running(20)
     assert submit_and_cancel() == few
+
+
+@pytest.mark.parametrize(
+    ("hyperparameters", "param"),
+    [
+        ({"epochs": True}, "hyperparameters.epochs"),  # true is not 1
+        ({"batch_size": True}, "hyperparameters.batch_size"),
+        ({"max_steps": False}, "hyperparameters.max_steps"),
+        ({"batch_size": 65_536}, "hyperparameters.batch_size"),  # past MAX_BATCH_SIZE
+        ({"batch_size": 1024}, "hyperparameters.batch_size"),  # one pass of 1024 sequences
+    ],
+)
+def test_booleans_as_numbers_and_huge_batches_are_refused(
+    client: TestClient, calls: Calls, hyperparameters: dict[str, Any], param: str
+) -> None:
+    response = client.post("/v1/jobs", json={**SFT_SPEC, "hyperparameters": hyperparameters})
+    assert response.status_code == 422, response.text
+    assert (error_of(response)["code"], error_of(response)["param"]) == ("invalid_request", param)
+    assert calls.enqueued == []
+
+
+def test_a_large_batch_in_micro_batches_is_accepted(client: TestClient) -> None:
+    spec = {**SFT_SPEC, "hyperparameters": {"batch_size": MAX_BATCH_SIZE, "gradient_accumulation_steps": 8}}
+    assert client.post("/v1/jobs", json=spec).status_code == 201
+    ppo = {**PPO_SPEC, "hyperparameters": {"batch_size": 1024, "mini_batch_size": 1024}}
+    refused = client.post("/v1/jobs", json=ppo)
+    assert (refused.status_code, error_of(refused)["param"]) == (422, "hyperparameters.mini_batch_size")
+    ppo["hyperparameters"]["gradient_accumulation_steps"] = 4
+    assert client.post("/v1/jobs", json=ppo).status_code == 201
