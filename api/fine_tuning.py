@@ -265,9 +265,10 @@ def estimated_finish(job: Job, now: float) -> int | None:
 _LEVELS: dict[str, Literal["error", "warn"]] = {"error": "error", "warning": "warn"}
 
 
-def event_object(event: Event) -> FineTuningEvent:
+def event_object(number: int, event: Event) -> FineTuningEvent:
+    """The job's event ``number`` (1 for its first): ids count within the job, like OpenAI's."""
     return FineTuningEvent(
-        id=f"ftevent-{event.id}",
+        id=f"ftevent-{number}",
         created_at=unix(event.created_at),
         level="error" if (event.data or {}).get("status") == "failed" else _LEVELS.get(event.kind, "info"),
         message=event.message,
@@ -276,11 +277,12 @@ def event_object(event: Event) -> FineTuningEvent:
 
 
 def checkpoint_object(job: Job, checkpoint: Checkpoint) -> FineTuningCheckpoint:
-    """A kept checkpoint; its model (``job:<id>@<step>``) is served by ``/v1/chat/completions``."""
+    """A kept checkpoint, its id that of its step within the job (``ftckpt-<step>``); its model
+    (``job:<id>@<step>``) is served by ``/v1/chat/completions``."""
     losses = [name for name in JOB_TYPES[job.type].metrics if name.startswith("loss/")]
     values = checkpoint.metrics or {}
     return FineTuningCheckpoint(
-        id=f"ftckpt-{checkpoint.id}",
+        id=f"ftckpt-{checkpoint.step}",
         created_at=unix(checkpoint.created_at),
         fine_tuned_model_checkpoint=f"job:{job.id}@{checkpoint.step}",
         fine_tuning_job_id=job.id,
@@ -295,7 +297,7 @@ def checkpoint_object(job: Job, checkpoint: Checkpoint) -> FineTuningCheckpoint:
 
 
 def cursor(value: str | None, prefix: str) -> int | None:
-    """The row id in an ``after`` cursor (``ftevent-12`` → 12); RequestError for anything else."""
+    """The number in an ``after`` cursor (``ftevent-12`` → 12); RequestError for anything else."""
     if value is None:
         return None
     digits = value.removeprefix(prefix)

@@ -74,6 +74,8 @@ def create_app(
         recovery = None
         if recovery_interval is not None:
             recovery = RecoveryThread(settings, enqueue, recovery_interval)
+            # at once, not after one interval: the jobs a stopped API committed but never sent, among others
+            await anyio.to_thread.run_sync(recovery.sweep, 0.0)
             recovery.start()
         try:
             yield

@@ -9,9 +9,10 @@ clients that send them work; a value this service cannot honour is a 422 naming 
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from api.schemas import MAX_INT32, MAX_NEW_TOKENS, MAX_PROMPT_CHARS, MAX_PROMPTS
+from engine.config import MAX_BATCH_SIZE, refuse_bool
 
 MAX_N = 16
 """Most samples per prompt; prompts × n is also capped at ``MAX_PROMPTS``."""
@@ -263,9 +264,14 @@ Auto = BeforeValidator(_auto)
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_bool(value, info, cls.model_fields)
+
 
 class SupervisedHyperparameters(_Request):
-    batch_size: Annotated[Annotated[int, Field(ge=1, le=65_536)] | None, Auto] = None
+    batch_size: Annotated[Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)] | None, Auto] = None
     """Examples per step; auto: about 0.2% of the training file, 1 to 256."""
     learning_rate_multiplier: Annotated[Annotated[float, Field(gt=0, le=1e6)] | None, Auto] = None
     """Scales the job type's default learning rate (sft 1e-3, dpo 1e-6, grpo 1e-5); auto: 1."""

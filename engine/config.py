@@ -7,7 +7,7 @@ once here with exact-division checks, so a bad spec fails before any model is lo
 
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -19,6 +19,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from engine.builtin import DATASETS, TINY_MODEL, digits
 from engine.graders import Grader, ModelGrader
@@ -52,8 +53,37 @@ METADATA_MAX_KEY_CHARS = 64
 METADATA_MAX_VALUE_CHARS = 512
 
 
+MAX_BATCH_SIZE = 4096
+"""The most examples (sft, rm, dpo) or prompts (ppo, grpo) a ``batch_size`` may ask per optimizer step, and the most
+rollouts of a PPO ``mini_batch_size``: past it, a job would spend long minutes at step 0 before running out of
+memory."""
+MAX_MICRO_BATCH = 512
+"""The most sequences one forward and backward pass may hold: ``batch_size`` (a PPO or GRPO ``mini_batch_size``)
+over ``gradient_accumulation_steps``. A larger batch is trained in more micro-batches."""
+
+
+def accepts_bool(annotation: Any) -> bool:
+    """Whether a field of this type takes ``true``/``false`` (``bool`` or ``Any`` among its types)."""
+    return annotation is bool or annotation is Any or any(accepts_bool(arg) for arg in get_args(annotation))
+
+
+def refuse_bool(value: Any, info: ValidationInfo, fields: dict[str, FieldInfo]) -> Any:
+    """A ``field_validator("*", mode="before")``'s check: ``true`` is not the number 1. Pydantic's lax mode takes a
+    boolean for an int or a float (``epochs: true`` would train one epoch); strict mode would also refuse the lists
+    of a stored spec's tuples, so numbers are made strict this way, naming the field."""
+    field = fields.get(info.field_name or "")
+    if isinstance(value, bool) and field is not None and not accepts_bool(field.annotation):
+        raise ValueError("expected a number, not a boolean")
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_bool(value, info, cls.model_fields)
 
 
 class TrainConfig(_Strict):
@@ -97,7 +127,7 @@ class SFTConfig(TrainConfig):
 
     learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-3
     """Peak AdamW learning rate."""
-    batch_size: Annotated[int, Field(ge=1, le=65_536)] = 32
+    batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)] = 32
     """Examples per optimizer step (split into ``gradient_accumulation_steps`` micro-batches)."""
     epochs: Annotated[float, Field(gt=0, le=1000)] = 3.0
     """Passes over the dataset; fractions allowed. Ignored when ``max_steps`` is set."""
@@ -113,6 +143,7 @@ class SFTConfig(TrainConfig):
     @model_validator(mode="after")
     def _divides(self) -> "SFTConfig":
         _check_divides("batch_size", self.batch_size, "gradient_accumulation_steps", self.gradient_accumulation_steps)
+        _check_micro_batch("batch_size", self.micro_batch_size)
         return self
 
 
@@ -225,9 +256,9 @@ class PPOConfig(TrainConfig):
     """Critic AdamW learning rate (None: same as ``learning_rate``)."""
     total_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
     """PPO steps; one step is one rollout batch and its PPO epochs."""
-    batch_size: Annotated[int, Field(ge=1, le=65_536)] = 64
+    batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)] = 64
     """Prompts per rollout."""
-    mini_batch_size: Annotated[int, Field(ge=1, le=65_536)] = 32
+    mini_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)] = 32
     """Rollouts per optimizer step; ``batch_size`` must be a multiple of it."""
     ppo_epochs: Annotated[int, Field(ge=1, le=100)] = 2
     """Passes over each rollout batch."""
@@ -315,6 +346,7 @@ class PPOConfig(TrainConfig):
         _check_divides(
             "mini_batch_size", self.mini_batch_size, "gradient_accumulation_steps", self.gradient_accumulation_steps
         )
+        _check_micro_batch("mini_batch_size", self.micro_batch_size)
         if self.ptx_coef > 0 and self.ptx_dataset is None:
             raise ValueError("ptx_dataset is required when ptx_coef > 0")
         if self.ptx_dataset is not None:
@@ -361,7 +393,7 @@ class GRPOConfig(TrainConfig):
     """Policy AdamW learning rate."""
     total_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
     """Steps; one step samples ``batch_size`` prompts ``group_size`` times each and trains on them."""
-    batch_size: Annotated[int, Field(ge=1, le=65_536)] = 16
+    batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)] = 16
     """Prompts per step."""
     group_size: Annotated[int, Field(ge=1, le=1024)] = 8
     """Samples per prompt (GRPO's G); each prompt is prefilled once for its whole group."""
@@ -445,6 +477,7 @@ class GRPOConfig(TrainConfig):
         _check_divides(
             "mini_batch_size", self.mini_batch_size, "gradient_accumulation_steps", self.gradient_accumulation_steps
         )
+        _check_micro_batch("mini_batch_size", self.micro_batch_size)
         if self.group_size < 2 and self.advantage_estimator != "reinforce_pp":
             raise ValueError(
                 f"advantage_estimator {self.advantage_estimator} compares the samples of a prompt: group_size must "
@@ -843,6 +876,14 @@ class JobSpec(_Strict):
     def config(self) -> TrainConfig:
         """The typed hyperparameters of this job type."""
         return HYPERPARAMETERS[self.type].model_validate(self.hyperparameters)
+
+
+def _check_micro_batch(name: str, micro_batch_size: int) -> None:
+    if micro_batch_size > MAX_MICRO_BATCH:
+        raise ValueError(
+            f"{name} / gradient_accumulation_steps is {micro_batch_size} sequences in one forward and backward pass, "
+            f"at most {MAX_MICRO_BATCH}: raise gradient_accumulation_steps"
+        )
 
 
 def _check_divides(name: str, value: int, by_name: str, by: int) -> None:

@@ -391,6 +391,8 @@ def run_job(job_id: str, *, settings: Settings, worker: str) -> str:
         return status
 
     out_dir = refs.job_dir(artifacts, job_id)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.chmod(0o700)  # owner-only, also a folder an earlier version made readable by all
     callbacks = DbCallbacks(job_id, settings=settings, worker=worker, out_dir=out_dir)
     try:
         with LeaseRenewer(callbacks, settings.lease_seconds / 3):

@@ -75,10 +75,12 @@ def run_job(self: Task, job_id: str) -> str:
             job = crud.get_job(session, job_id=job_id)
             queue = crud.job_queue(job) if job is not None else TRAIN_QUEUE
         send_job(celery_app, job_id, queue)
+        with session_scope(current_settings().resolved_database_url) as session:
+            crud.mark_sent(session, job_ids=[job_id])
         log.info("job %s: handed back to queue %s", job_id, queue)
     if status in FINAL_STATUSES:  # jobs waiting for this one start now (or fail), not at the next sweep
         try:
-            recovery.release_once(current_settings(), enqueue)
+            recovery.release_once(current_settings(), enqueue, [job_id])
         except Exception:
             log.exception("job %s ended; releasing the jobs waiting for it failed (the next sweep retries)", job_id)
     return status
@@ -114,7 +116,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         return
     settings = current_settings()
     _recovery = recovery.RecoveryThread(settings, enqueue, max(1.0, settings.lease_seconds / 2))
-    _recovery.sweep()
+    _recovery.sweep(unsent_grace_s=0)  # what a stopped service left queued without a message is sent at once
     _recovery.start()
 
 

@@ -57,7 +57,7 @@ def _refused(error: RequestError) -> ApiError:
 
 
 def _before(after: str | None, prefix: str) -> int | None:
-    """The row id of a list's ``after`` cursor; 422 for one that is not an id of the list."""
+    """The number in a list's ``after`` cursor; 422 for one that is not an id of the list."""
     try:
         return cursor(after, prefix)
     except RequestError as e:
@@ -182,8 +182,8 @@ def list_fine_tuning_events(
     """The job's events (status changes, checkpoints, warnings, errors), newest first."""
     job = _fine_tuning_job(session, project, fine_tuning_job_id)
     before = _before(after, "ftevent-")
-    rows, has_more = crud.list_events(session, job_id=job.id, after=before, limit=limit, newest_first=True)
-    return FineTuningEvents(data=[event_object(row) for row in rows], has_more=has_more)
+    rows, has_more = crud.list_numbered_events(session, job_id=job.id, before=before, limit=limit)
+    return FineTuningEvents(data=[event_object(number, row) for number, row in rows], has_more=has_more)
 
 
 @router.get("/{fine_tuning_job_id}/checkpoints")
@@ -199,8 +199,8 @@ def list_fine_tuning_checkpoints(
     """The job's kept checkpoints, newest first; each is a model of ``/v1/chat/completions``."""
     job = _fine_tuning_job(session, project, fine_tuning_job_id)
     before = _before(after, "ftckpt-")
-    kept = sorted(crud.list_checkpoints(session, job_id=job.id), key=lambda c: c.id, reverse=True)
-    kept = [c for c in kept if before is None or c.id < before]
+    kept = sorted(crud.list_checkpoints(session, job_id=job.id), key=lambda c: c.step, reverse=True)
+    kept = [c for c in kept if before is None or c.step < before]
     data = [checkpoint_object(job, c) for c in kept[:limit]]
     return FineTuningCheckpoints(
         data=data,

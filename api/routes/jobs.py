@@ -30,7 +30,7 @@ from engine.config import JobSpec
 from jobs.recovery import release_once
 from jobs.store import crud
 from jobs.store.models import FINAL_STATUSES, Job, Project, utcnow
-from jobs.store.refs import SpecReferenceError, resolve_spec
+from jobs.store.refs import SpecReferenceError, dependencies, resolve_spec
 from jobs.store.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ def job_or_404(session: Session, project: Project, job_id: str) -> Job:
     responses={
         200: {"model": JobPublic, "description": "The job an earlier request with this Idempotency-Key created."},
         409: {"model": ErrorResponse, "description": "The Idempotency-Key was used with a different spec."},
+        429: {"model": ErrorResponse, "description": "The project has too many queued and waiting jobs."},
         **error_responses(400, 503, 507),
     },
 )
@@ -114,7 +115,13 @@ def store_job(
     idempotency_key: str | None,
 ) -> tuple[Job, bool]:
     """Store a validated spec's job and queue it after the commit; (the job, whether it is new). An earlier
-    request's job when ``idempotency_key`` was used before with the same spec; 409 with another spec."""
+    request's job when ``idempotency_key`` was used before with the same spec (sent again if its message never
+    went out); 409 with another spec. 429 when the project has ``settings.max_pending_jobs`` queued or waiting."""
+    if (
+        idempotency_key is None
+        or crud.job_for_key(session, project_id=project.id, idempotency_key=idempotency_key) is None
+    ):
+        check_pending(session, settings, project, 1)
     job, created = _create_or_replay(session, project.id, spec, idempotency_key, pending)
     if not created:
         if job.spec != spec:
@@ -124,11 +131,24 @@ def store_job(
                 "this Idempotency-Key was already used with a different job spec",
                 param="Idempotency-Key",
             )
+        if job.status == "queued" and job.sent_at is None:  # its first request stopped before sending it
+            send_created(session, settings, enqueue, [job])
+            session.refresh(job)
         return job, False
     session.commit()
     send_created(session, settings, enqueue, [job])
     session.refresh(job)
     return job, True
+
+
+def check_pending(session: Session, settings: Settings, project: Project, adding: int) -> None:
+    """429 ``too_many_pending_jobs`` when ``adding`` more jobs would take the project past
+    ``settings.max_pending_jobs`` queued and waiting ones."""
+    pending = crud.count_pending(session, project_id=project.id)
+    if pending + adding > settings.max_pending_jobs:
+        message = (f"the project has {pending} queued or waiting jobs, and takes at most {settings.max_pending_jobs} "
+                   "(RLHF_MAX_PENDING_JOBS): submit again once some have started, or cancel some")  # fmt: skip
+        raise ApiError(429, "too_many_pending_jobs", message)
 
 
 def validated_spec(
@@ -173,12 +193,13 @@ def send_created(session: Session, settings: Settings, enqueue: Enqueue, jobs: l
     """After the commit: send each new queued job to its train queue (one the broker refuses fails as
     ``enqueue_failed``, and the request answers 503), then release the waiting ones whose dependencies finished
     in the meantime."""
-    refused = []
+    refused, sent = [], []
     for job in jobs:
         if job.status != "queued":
             continue
         try:
             enqueue(job.id, crud.job_queue(job))
+            sent.append(job.id)
         except Exception:
             logger.exception("could not enqueue job %s", job.id)
             crud.transition(
@@ -192,8 +213,10 @@ def send_created(session: Session, settings: Settings, enqueue: Enqueue, jobs: l
             )
             session.commit()
             refused.append(job.id)
-    if any(job.status == "waiting" for job in jobs):
-        release_once(settings, enqueue)  # a dependency may have ended between the check and the commit
+    crud.mark_sent(session, job_ids=sent)
+    session.commit()
+    if waiting := [dependency for job in jobs if job.status == "waiting" for dependency in dependencies(job.spec)]:
+        release_once(settings, enqueue, waiting)  # a dependency may have ended between the check and the commit
     if refused:
         # The broker's own message (SQL, task bodies, routing keys) goes to the log above, never to the client.
         raise ApiError(503, "unavailable", f"the job {refused[0]} was stored but the broker did not accept it")
@@ -279,9 +302,11 @@ def control_job(session: Session, settings: Settings, enqueue: Enqueue, job: Job
             crud.transition(session, job_id=job.id, from_statuses=("queued",), to="paused")
             session.commit()
             raise ApiError(503, "unavailable", "the broker did not accept the job, so it stays paused") from e
+        crud.mark_sent(session, job_ids=[job.id])
+        session.commit()
     session.refresh(job)
     if action == "cancel" and job.status == "cancelled":
-        release_once(settings, enqueue)
+        release_once(settings, enqueue, [job.id])  # the jobs waiting for it fail
 
 
 @router.post("/{job_id}/cancel", responses={409: {"model": ErrorResponse}})

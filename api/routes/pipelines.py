@@ -9,15 +9,19 @@ from contextlib import suppress
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
-from api.deps import CurrentProject, EnqueueDep, SessionDep, SettingsDep
+from api.deps import CurrentProject, Enqueue, EnqueueDep, SessionDep, SettingsDep
 from api.errors import ApiError, ErrorResponse, error_responses
-from api.routes.jobs import send_created, validated_spec
+from api.routes.jobs import check_pending, send_created, validated_spec
 from api.schemas import JobPublic
+from engine.config import JobSpec
 from engine.graders import replace_models
 from jobs.store import crud
 from jobs.store.models import Job
+from jobs.store.settings import Settings
 
 router = APIRouter(prefix="/pipelines", tags=["jobs"])
 
@@ -58,6 +62,7 @@ class PipelinePublic(BaseModel):
     responses={
         200: {"model": PipelinePublic, "description": "The jobs an earlier request with this Idempotency-Key created."},
         409: {"model": ErrorResponse, "description": "The Idempotency-Key was used with a different pipeline."},
+        429: {"model": ErrorResponse, "description": "The project has too many queued and waiting jobs."},
         **error_responses(400, 503, 507),
     },
 )
@@ -76,26 +81,71 @@ def create_pipeline(
     ] = None,
 ) -> PipelinePublic:
     """Validate every stage in full (a 422's ``param`` is ``stages.<name>.<field>``), store them all, and queue
-    the stages that can start; the others wait for the stages they name."""
+    the stages that can start; the others wait for the stages they name.
+
+    Retried with the same ``Idempotency-Key`` and the same stages, it answers the jobs it created (200); with other
+    stages (names or specs), 409. A pipeline's key is its own: it never matches a ``/v1/jobs`` key."""
+    if idempotency_key is not None:
+        earlier = crud.pipeline_jobs(session, project_id=project.id, pipeline_key=idempotency_key)
+        if earlier:
+            response.status_code = 200
+            return _replayed(session, settings, enqueue, body, earlier)
+    check_pending(session, settings, project, len(body.stages))
     jobs: dict[str, Job] = {}
-    created = []
-    for name, stage_body in body.stages.items():
-        stage = _with_stage_refs(stage_body, {stage: job.id for stage, job in jobs.items()}, name)
-        spec, pending = validated_spec(session, settings, project, stage, f"stages.{name}.")
-        key = f"{idempotency_key}/{name}" if idempotency_key else None
-        job, new = crud.create_job(session, project_id=project.id, spec=spec, idempotency_key=key, waiting_for=pending)
-        if not new and job.spec != spec:
-            raise ApiError(409, "conflict", "this Idempotency-Key was already used with a different pipeline",
-                           param="Idempotency-Key")  # fmt: skip
-        jobs[name] = job
-        created += [job] if new else []
-    if not created:
+    try:
+        for name, stage_body in body.stages.items():
+            stage = _with_stage_refs(stage_body, {stage: job.id for stage, job in jobs.items()}, name)
+            spec, pending = validated_spec(session, settings, project, stage, f"stages.{name}.")
+            jobs[name], _ = crud.create_job(
+                session,
+                project_id=project.id,
+                spec=spec,
+                idempotency_key=None,
+                waiting_for=pending,
+                pipeline_key=idempotency_key,
+                stage=name if idempotency_key is not None else None,
+            )
+    except IntegrityError:
+        if idempotency_key is None:
+            raise
+        # A concurrent request with the same key stored its stages first; answer as a retry of it.
+        session.rollback()
         response.status_code = 200
+        earlier = crud.pipeline_jobs(session, project_id=project.id, pipeline_key=idempotency_key)
+        return _replayed(session, settings, enqueue, body, earlier)
     session.commit()
-    send_created(session, settings, enqueue, created)
+    send_created(session, settings, enqueue, list(jobs.values()))
     for job in jobs.values():
         session.refresh(job)
     return PipelinePublic(stages={name: JobPublic.of(job) for name, job in jobs.items()})
+
+
+def _replayed(
+    session: Session, settings: Settings, enqueue: Enqueue, body: PipelineCreate, earlier: dict[str, Job]
+) -> PipelinePublic:
+    """The pipeline an earlier request with the same key created, if ``body`` asks for the same stages (names, order
+    and specs, defaults filled in); 409 if not. A stage whose message never went out is sent now."""
+    ids = {name: job.id for name, job in earlier.items()}
+    same = list(body.stages) == list(earlier) and all(
+        _stored_form(_with_stage_refs(stage_body, ids, name)) == earlier[name].spec
+        for name, stage_body in body.stages.items()
+    )
+    if not same:
+        raise ApiError(409, "conflict", "this Idempotency-Key was already used with a different pipeline",
+                       param="Idempotency-Key")  # fmt: skip
+    if unsent := [job for job in earlier.values() if job.status == "queued" and job.sent_at is None]:
+        send_created(session, settings, enqueue, unsent)  # its first request stopped before sending them
+        for job in unsent:
+            session.refresh(job)
+    return PipelinePublic(stages={name: JobPublic.of(job) for name, job in earlier.items()})
+
+
+def _stored_form(body: dict[str, Any]) -> dict[str, Any] | None:
+    """A stage's spec as it is stored (every default filled in), or None when it is not a valid spec."""
+    try:
+        return JobSpec.model_validate(body).model_dump(mode="json")
+    except ValidationError:
+        return None
 
 
 def _with_stage_refs(body: dict[str, Any], ids: dict[str, str], stage: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from jobs.store.models import (
     Event,
     File,
     Job,
+    JobDependency,
     Metric,
     Project,
     Sample,
@@ -139,13 +140,14 @@ def create_job(
     spec: dict[str, Any],
     idempotency_key: str | None,
     waiting_for: Sequence[str] = (),
+    pipeline_key: str | None = None,
+    stage: str | None = None,
 ) -> tuple[Job, bool]:
     """(job, created). With an idempotency key already used in this project, the earlier job comes back. A job
-    ``waiting_for`` unfinished jobs is created ``waiting`` (jobs.store.pipelines queues it), else ``queued``."""
+    ``waiting_for`` unfinished jobs is created ``waiting`` (jobs.store.pipelines queues it), else ``queued``.
+    ``pipeline_key`` and ``stage``: the job is that stage of the pipeline created with that key."""
     if idempotency_key is not None:
-        existing = session.scalars(
-            select(Job).where(Job.project_id == project_id, Job.idempotency_key == idempotency_key)
-        ).first()
+        existing = job_for_key(session, project_id=project_id, idempotency_key=idempotency_key)
         if existing is not None:
             return existing, False
     job = Job(
@@ -155,16 +157,37 @@ def create_job(
         name=spec.get("name"),
         spec=spec,
         idempotency_key=idempotency_key,
+        pipeline_key=pipeline_key,
+        stage=stage,
         latest_metrics={},
         status="waiting" if waiting_for else "queued",
     )
     session.add(job)
     session.flush()
+    session.add_all(JobDependency(job_id=job.id, dependency_id=dependency) for dependency in dict.fromkeys(waiting_for))
     if waiting_for:
         names = ", ".join(waiting_for)
         add_event(session, job_id=job.id, kind="info", message=f"waiting for job {names} to succeed",
                   data={"waiting_for": list(waiting_for)})  # fmt: skip
     return job, True
+
+
+def job_for_key(session: Session, *, project_id: str, idempotency_key: str) -> Job | None:
+    """The project's job created with this ``Idempotency-Key``, if any."""
+    stmt = select(Job).where(Job.project_id == project_id, Job.idempotency_key == idempotency_key)
+    return session.scalars(stmt).first()
+
+
+def pipeline_jobs(session: Session, *, project_id: str, pipeline_key: str) -> dict[str, Job]:
+    """The stages of the project's pipeline created with this key, by stage name, in the order they were stored."""
+    stmt = select(Job).where(Job.project_id == project_id, Job.pipeline_key == pipeline_key)
+    return {job.stage or "": job for job in session.scalars(stmt.order_by(Job.created_at, Job.id))}
+
+
+def count_pending(session: Session, *, project_id: str) -> int:
+    """The project's queued and waiting jobs (one indexed count)."""
+    stmt = select(func.count()).where(Job.project_id == project_id, Job.status.in_(("queued", "waiting")))
+    return session.execute(stmt).scalar_one()
 
 
 def get_job(session: Session, *, job_id: str, project_id: str | None = None) -> Job | None:
@@ -224,7 +247,10 @@ def _page(
 
 
 def transition(session: Session, *, job_id: str, from_statuses: Iterable[str], to: str, **values: Any) -> bool:
-    """Move a job to status ``to`` only if it is in one of ``from_statuses``; True if it moved."""
+    """Move a job to status ``to`` only if it is in one of ``from_statuses``; True if it moved. A job moved to
+    ``queued`` is due a message: its ``sent_at`` is cleared until :func:`mark_sent`."""
+    if to == "queued":
+        values.setdefault("sent_at", None)
     stmt = (
         update(Job)
         .where(Job.id == job_id, Job.status.in_(list(from_statuses)))
@@ -271,8 +297,43 @@ def expire_active_leases(session: Session) -> None:
 
 def job_queue(job: Job) -> str:
     """The train queue a job is sent to: its spec's ``resources.queue``."""
-    queue: str = job.spec.get("resources", {}).get("queue", TRAIN_QUEUE)
+    return spec_queue(job.spec)
+
+
+def spec_queue(spec: dict[str, Any]) -> str:
+    """The train queue of a stored spec."""
+    queue: str = spec.get("resources", {}).get("queue", TRAIN_QUEUE)
     return queue
+
+
+def mark_sent(session: Session, *, job_ids: Sequence[str]) -> None:
+    """Record that the messages of these jobs went to the broker (those still queued)."""
+    if job_ids:
+        stmt = update(Job).where(Job.id.in_(list(job_ids)), Job.status == "queued").values(sent_at=utcnow())
+        session.execute(stmt)
+
+
+def claim_unsent(
+    session: Session, *, unsent_for: timedelta, resend_after: timedelta, now: datetime | None = None
+) -> list[tuple[str, str]]:
+    """The queued jobs due a message: never sent since queued ``unsent_for`` ago or more (the sender stopped
+    between its commit and its send), or sent ``resend_after`` ago or more and still unclaimed (a message the
+    broker lost, or one waiting behind other jobs: then a duplicate, which the claim ignores). Their ``sent_at``
+    becomes now in the same guarded update, so of two sweeps only one sends each. Returns (job id, queue)."""
+    now = now or utcnow()
+    due = or_(
+        and_(Job.sent_at.is_(None), Job.updated_at <= now - unsent_for),
+        Job.sent_at <= now - resend_after,
+    )
+    stmt = update(Job).where(Job.status == "queued", due).values(sent_at=now).returning(Job.id, Job.spec)
+    rows = session.execute(stmt).all()
+    return [(job_id, spec_queue(spec)) for job_id, spec in rows]
+
+
+def unmark_sent(session: Session, *, job_ids: Sequence[str]) -> None:
+    """Forget the sends of these jobs (the broker refused them): the next sweep sends them again."""
+    if job_ids:
+        session.execute(update(Job).where(Job.id.in_(list(job_ids)), Job.status == "queued").values(sent_at=None))
 
 
 def recover_expired(session: Session, *, max_attempts: int, now: datetime | None = None) -> list[tuple[str, str]]:
@@ -405,6 +466,25 @@ def list_events(
         stmt = stmt.where(Event.id < after if newest_first else Event.id > after)
     order = Event.id.desc() if newest_first else Event.id
     rows = list(session.scalars(stmt.order_by(order).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def list_numbered_events(
+    session: Session, *, job_id: str, before: int | None, limit: int
+) -> tuple[list[tuple[int, Event]], bool]:
+    """A page of the job's events newest first, each with its number within the job (1 for its first event), those
+    numbered below ``before`` when given."""
+    numbered = (
+        select(Event.id.label("event_id"), func.row_number().over(order_by=Event.id).label("number"))
+        .where(Event.job_id == job_id)
+        .subquery()
+    )
+    stmt = select(Event, numbered.c.number).join(numbered, Event.id == numbered.c.event_id)
+    if before is not None:
+        stmt = stmt.where(numbered.c.number < before)
+    rows = [
+        (number, event) for event, number in session.execute(stmt.order_by(numbered.c.number.desc()).limit(limit + 1))
+    ]
     return rows[:limit], len(rows) > limit
 
 

@@ -87,6 +87,8 @@ class Job(Base):
         UniqueConstraint("project_id", "idempotency_key", name="uq_jobs_project_idempotency_key"),
         Index("ix_jobs_project_created", "project_id", "created_at", "id"),
         Index("ix_jobs_status_lease", "status", "lease_until"),
+        Index("ix_jobs_project_status", "project_id", "status"),
+        UniqueConstraint("project_id", "pipeline_key", "stage", name="uq_jobs_project_pipeline_stage"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -97,12 +99,20 @@ class Job(Base):
     spec: Mapped[dict[str, Any]]
     """The validated job spec, with every hyperparameter default filled in."""
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    """The ``Idempotency-Key`` of the ``POST /v1/jobs`` (or fine-tuning) request that created it."""
+    pipeline_key: Mapped[str | None] = mapped_column(String(255), default=None)
+    """The ``Idempotency-Key`` of the ``POST /v1/pipelines`` request that created it, a stage of that pipeline."""
+    stage: Mapped[str | None] = mapped_column(String(64), default=None)
+    """Its stage name in the pipeline that created it (with ``pipeline_key``)."""
     attempt: Mapped[int] = mapped_column(default=1)
     step: Mapped[int] = mapped_column(default=0)
     total_steps: Mapped[int | None] = mapped_column(default=None)
     latest_metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     worker: Mapped[str | None] = mapped_column(String(255), default=None)
     lease_until: Mapped[datetime | None] = mapped_column(default=None)
+    sent_at: Mapped[datetime | None] = mapped_column(default=None)
+    """When the queued job's message last went to the broker; None: not since it was last queued (the sender
+    stopped between the commit and the send). The recovery sweeps send it again (jobs/recovery.py)."""
     error_code: Mapped[str | None] = mapped_column(String(64), default=None)
     error_message: Mapped[str | None] = mapped_column(Text, default=None)
     output_step: Mapped[int | None] = mapped_column(default=None)
@@ -111,6 +121,17 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class JobDependency(Base):
+    """A waiting job's unfinished dependency (a job its spec names, see jobs.store.pipelines), so that a job that
+    ends finds the jobs waiting for it without reading every waiting job."""
+
+    __tablename__ = "job_dependencies"
+    __table_args__ = (Index("ix_job_dependencies_dependency", "dependency_id"),)
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    dependency_id: Mapped[str] = mapped_column(String(40), primary_key=True)
 
 
 class Metric(Base):

@@ -68,6 +68,13 @@ class Settings(BaseSettings):
     """How long a training worker's claim on a job lasts without a heartbeat."""
     max_attempts: int = 3
     """Runs of a job (the first plus retries after a lost worker) before it fails with ``worker_lost``."""
+    resend_seconds: int = Field(default=600, ge=1)
+    """A queued job no worker has claimed this long after its message went to the broker is sent again, once per
+    this many seconds (a message the broker lost; a duplicate is a no-op, the claim being guarded). A job whose
+    message never went out (the API stopped between the commit and the send) is sent at the next sweep."""
+    max_pending_jobs: int = Field(default=1000, ge=1)
+    """The most queued and waiting jobs a project may have: a submit past it is refused (429,
+    ``too_many_pending_jobs``) until some of them start or end."""
     inference_cache_size: int = 2
     """Checkpoints an inference worker keeps loaded (least recently used are evicted)."""
     min_free_bytes: int = 256 * 1024 * 1024
@@ -114,7 +121,12 @@ class Settings(BaseSettings):
     def prepare_data_dir(self) -> None:
         """Create ``data_dir`` and the SQLite stores of the embedded defaults (database, broker, results) owner-only
         (0600, as uploads and the key file are), before anything opens them: they hold every project's specs,
-        metrics and task messages. SQLite gives its -wal and -shm files the database file's mode."""
+        metrics and task messages. SQLite gives its -wal and -shm files the database file's mode.
+
+        From here on this process (and those it starts: torchrun's, ``rlhf serve``'s) creates every file owner-only
+        (umask 077: folders 0700, files 0600): job folders hold specs with grader URLs and their credentials,
+        checkpoints and uploads. Every process of the service runs as the one user that owns the data."""
+        os.umask(0o077)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         for url in (self.resolved_database_url, self.resolved_broker_url, self.resolved_result_backend):
             scheme, _, path = url.partition(":///")

@@ -1,4 +1,5 @@
-"""The API recovers jobs whose worker stopped renewing its lease, and requeues them after the commit."""
+"""The API recovers jobs whose worker stopped renewing its lease, and requeues them after the commit; and sends
+again the queued jobs whose message was lost."""
 
 import time
 from datetime import timedelta
@@ -6,10 +7,12 @@ from datetime import timedelta
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from jobs.recovery import recover_once
+from engine.config import JobSpec
+from jobs.recovery import recover_once, resend_once
+from jobs.store import crud
 from jobs.store.models import utcnow
 from jobs.store.settings import Settings
-from tests.api.helpers import Db
+from tests.api.helpers import SFT_SPEC, Calls, Db
 from tests.factories import Project
 
 
@@ -45,3 +48,62 @@ def test_the_app_runs_recovery_in_the_background(settings: Settings, project: Pr
             time.sleep(0.02)
     assert lost in enqueued
     assert db.get(lost).status == "queued"
+
+
+def test_a_job_committed_but_never_sent_is_sent_once_per_bound(settings: Settings, project: Project, db: Db) -> None:
+    """The API stopped between the commit and the send: the job is queued with no message. A sweep sends it (at
+    once at a process's start; after a grace otherwise), records the send, and sends it again only once the bound
+    ``resend_seconds`` has passed with no worker claiming it."""
+    lost = db.job(project.id)
+    sent: list[str] = []
+    assert resend_once(settings, lambda job_id, _queue: sent.append(job_id)) == []  # may still be on its way
+    assert resend_once(settings, lambda job_id, _queue: sent.append(job_id), unsent_grace_s=0) == [lost]
+    assert sent == [lost] and db.get(lost).sent_at is not None
+    assert resend_once(settings, lambda job_id, _queue: sent.append(job_id), unsent_grace_s=0) == []  # in the broker
+
+    db.status(lost, "queued", sent_at=utcnow() - timedelta(seconds=settings.resend_seconds + 1))
+    assert resend_once(settings, lambda job_id, _queue: sent.append(job_id)) == [lost]  # that message was lost too
+    db.status(lost, "running", sent_at=utcnow() - timedelta(seconds=settings.resend_seconds + 1))
+    assert resend_once(settings, lambda job_id, _queue: sent.append(job_id), unsent_grace_s=0) == []  # claimed
+    assert sent == [lost, lost]
+
+
+def test_a_refused_resend_is_tried_again(settings: Settings, project: Project, db: Db) -> None:
+    lost = db.job(project.id)
+
+    def refuse(job_id: str, queue: str) -> None:
+        raise ConnectionError("the broker is down")
+
+    assert resend_once(settings, refuse, unsent_grace_s=0) == [lost]
+    assert db.get(lost).sent_at is None  # not sent: due again at the next sweep
+    sent: list[str] = []
+    assert resend_once(settings, lambda job_id, _queue: sent.append(job_id), unsent_grace_s=0) == [lost]
+    assert sent == [lost]
+
+
+def test_the_app_sends_at_start_what_a_stopped_api_left_unsent(
+    settings: Settings, project: Project, db: Db, calls: Calls
+) -> None:
+    """A restart re-sends at once (not after a sweep interval, nor a grace) the jobs it finds lost, and not the
+    jobs whose message went out."""
+    lost = db.job(project.id)
+    with TestClient(create_app(settings, enqueue=calls.enqueue, recovery_interval=3600), headers=project.headers) as c:
+        assert calls.enqueued == [lost]
+        created = c.post("/v1/jobs", json=SFT_SPEC).json()["id"]
+        assert calls.enqueued == [lost, created]
+    with TestClient(create_app(settings, enqueue=calls.enqueue, recovery_interval=3600)):
+        assert calls.enqueued == [lost, created]  # both are in the broker
+
+
+def test_an_idempotent_retry_sends_a_job_its_first_request_did_not(
+    settings: Settings, project: Project, db: Db, calls: Calls, client: TestClient
+) -> None:
+    spec = JobSpec.model_validate(SFT_SPEC).model_dump(mode="json")
+    with db.session() as session:  # the first request committed the job, and stopped
+        lost, _ = crud.create_job(session, project_id=project.id, spec=spec, idempotency_key="retry-me")
+        lost_id = lost.id
+    again = client.post("/v1/jobs", json=SFT_SPEC, headers={"Idempotency-Key": "retry-me"})
+    assert (again.status_code, again.json()["id"]) == (200, lost_id)
+    assert calls.enqueued == [lost_id]
+    client.post("/v1/jobs", json=SFT_SPEC, headers={"Idempotency-Key": "retry-me"})
+    assert calls.enqueued == [lost_id]  # sent now: a further retry sends nothing

@@ -21,10 +21,12 @@ from jobs.store import crud, db
 from jobs.store.settings import Settings
 from jobs.worker import keep_off_the_hub, worker_argv
 from tests.factories import create_job, make_settings, new_project
-from tests.jobs.helpers import LEASE_SECONDS, REDIS_URL, get_job, sft_spec
+from tests.jobs.helpers import LEASE_SECONDS, REDIS_URL, events, get_job, sft_spec
 from tests.services import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
+MISSING_JOB = "job_000000000000"
+"""A job id no row has: the worker logs that it is missing, which tells the test the messages before it are done."""
 # kombu's SQLAlchemy transport still uses a loader option SQLAlchemy 2.1 deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
 
@@ -77,6 +79,8 @@ def exercise_worker(settings: Settings, tmp_path: Path) -> None:
     with db.session_scope(settings.resolved_database_url) as session:
         assert crud.claim_job(session, job_id=orphan, worker="dead:1", lease_seconds=-1)
     job_id = create_job(settings, project_id, sft_spec())
+    # Committed queued, its message never sent (an API killed between the two): the worker's start sweep sends it.
+    unsent = create_job(settings, project_id, sft_spec(hyperparameters={"max_steps": 2}))
     # Every `rlhf` process creates the data folder first (the embedded broker and result store live there);
     # this client stands in for one, and must not race the worker starting up to create it.
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -91,6 +95,13 @@ def exercise_worker(settings: Settings, tmp_path: Path) -> None:
         )
         out = result.get(timeout=60)
         assert wait_for_status(settings, orphan, {"succeeded", "failed"}, process, log_file) == "succeeded"
+        assert wait_for_status(settings, unsent, {"succeeded", "failed"}, process, log_file) == "succeeded"
+        client.send_task(RUN_JOB_TASK, args=[unsent])  # a duplicate message, late: a no-op
+        client.send_task(RUN_JOB_TASK, args=[orphan])
+        client.send_task(RUN_JOB_TASK, args=[MISSING_JOB])  # consumed after both duplicates
+        deadline = time.monotonic() + 30
+        while f"job {MISSING_JOB} is missing" not in log_file.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     assert out["checkpoint"] == 4
     assert [c["prompt"] for c in out["completions"]] == ["The food was"]
@@ -98,6 +109,13 @@ def exercise_worker(settings: Settings, tmp_path: Path) -> None:
     job = get_job(settings, job_id)
     assert (job.step, job.output_step, job.worker) == (4, 4, None)
     assert get_job(settings, orphan).attempt == 2
+    folder = settings.resolved_artifacts_dir / "jobs" / job_id  # spec.json, checkpoints: owner-only
+    modes = {path: path.stat().st_mode & 0o777 for path in [folder, *folder.rglob("*")]}
+    assert (folder / "spec.json") in modes and any(path.suffix == ".safetensors" for path in modes)
+    assert {path: mode for path, mode in modes.items() if mode != (0o700 if path.is_dir() else 0o600)} == {}
+    for ran_once in (job_id, unsent, orphan):  # job_id had two messages: the test's and the start sweep's
+        runs = [e for e in events(settings, ran_once) if e.message.startswith("running on")]
+        assert (get_job(settings, ran_once).status, len(runs)) == ("succeeded", 1)
     client.close()
 
 

@@ -148,6 +148,10 @@ def test_dpo_and_reinforcement_jobs_become_dpo_and_grpo_specs(
         ({"method": {"type": "dpo"}}, "wrong_file_purpose", "training_file"),
         ({"validation_file": "file-nothere00000"}, "file_not_found", "validation_file"),
         ({"hyperparameters": {"batch_size": 41}}, "invalid_request", "hyperparameters.batch_size"),
+        ({"hyperparameters": {"n_epochs": True}}, "invalid_request", "hyperparameters.n_epochs"),
+        ({"method": {"type": "supervised", "supervised": {"hyperparameters": {"batch_size": True}}}},
+         "invalid_request", "method.supervised.hyperparameters.batch_size"),
+        ({"hyperparameters": {"batch_size": 8192}}, "invalid_request", "hyperparameters.batch_size"),
         ({"method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 0}}}}, "invalid_request",
          "method.supervised.hyperparameters.n_epochs"),
         ({"method": {"type": "supervised", "supervised": {"hyperparameters": {"learning_rate_multiplier": 5000}}}},
@@ -250,3 +254,25 @@ def test_jobs_list_retrieve_control_events_and_checkpoints(
     done = oa.fine_tuning.jobs.retrieve(model.removeprefix("job:"))
     assert (done.status, done.fine_tuned_model) == ("succeeded", model)
     assert oa.models.retrieve(model).id == model  # a model of /v1/models and the chat route
+
+
+def test_event_and_checkpoint_ids_count_within_their_job(
+    oa: openai.OpenAI, project: Project, db: Db, model: str
+) -> None:
+    """Ids say nothing of other jobs' activity: a job's first event is ftevent-1 however busy the server is, and a
+    checkpoint is named by its step."""
+    busy = db.job(project.id, spec=SFT_SPEC)
+    for n in range(5):
+        db.event(busy, f"other job's event {n}")
+    job_id = db.job(project.id, spec=SFT_SPEC)
+    db.event(job_id, "one")
+    db.event(busy, "interleaved")
+    db.event(job_id, "two")
+    db.checkpoint(job_id, 20, kept=(20,))
+    events = oa.fine_tuning.jobs.list_events(job_id, limit=100).data
+    count = len(events)
+    assert [e.id for e in events] == [f"ftevent-{n}" for n in range(count, 0, -1)]
+    assert [e.message for e in events[:2]] == ["checkpoint at step 20", "two"]
+    older = oa.fine_tuning.jobs.list_events(job_id, after=events[1].id, limit=1)
+    assert [e.message for e in older.data] == ["one"] and not older.has_more
+    assert [c.id for c in oa.fine_tuning.jobs.checkpoints.list(job_id).data] == ["ftckpt-20"]

@@ -1,9 +1,20 @@
-"""Resource limits a job spec is checked against at submit, before any worker takes it."""
+"""Resource limits a job spec is checked against at submit, before any worker takes it; the bound on a project's
+queued and waiting jobs, and what submitting and cancelling cost with many of them."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import event
 
+from api.main import create_app
+from engine.config import MAX_BATCH_SIZE
+from jobs.store.db import engine_for
 from jobs.store.settings import Settings
-from tests.api.helpers import SFT_SPEC, Calls, error_of
+from tests.api.helpers import PPO_SPEC, RM_SPEC, SFT_SPEC, Calls, Db, error_of
+from tests.factories import Project, new_project
 
 
 def test_more_processes_than_the_workers_have_are_refused(client: TestClient, calls: Calls, settings: Settings) -> None:
@@ -18,3 +29,97 @@ def test_more_processes_than_the_workers_have_are_refused(client: TestClient, ca
     assert calls.enqueued == []
     spec["resources"] = {"num_processes": 8}
     assert client.post("/v1/jobs", json=spec).status_code == 201
+
+
+@contextmanager
+def counted_statements(settings: Settings) -> Iterator[list[str]]:
+    """The SQL statements run on the app's database meanwhile."""
+    statements: list[str] = []
+    engine = engine_for(settings.resolved_database_url)
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        yield statements
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+
+
+def test_queued_and_waiting_jobs_per_project_are_bounded(settings: Settings, project: Project, db: Db) -> None:
+    bounded = settings.model_copy(update={"max_pending_jobs": 3})
+    calls = Calls()
+    app = create_app(bounded, enqueue=calls.enqueue, recovery_interval=None)
+    with TestClient(app, headers=project.headers) as client:
+        first = client.post("/v1/jobs", json=SFT_SPEC, headers={"Idempotency-Key": "one"}).json()["id"]
+        waiting = client.post("/v1/jobs", json={**RM_SPEC, "model": f"job:{first}"}).json()
+        assert waiting["status"] == "waiting"
+        pipeline = client.post("/v1/pipelines", json={"stages": {"a": SFT_SPEC, "b": SFT_SPEC}})
+        assert (pipeline.status_code, error_of(pipeline)["code"]) == (429, "too_many_pending_jobs")  # 2 + 2 > 3
+        assert client.post("/v1/jobs", json=SFT_SPEC).status_code == 201
+        refused = client.post("/v1/jobs", json=SFT_SPEC)
+        assert (refused.status_code, error_of(refused)["code"]) == (429, "too_many_pending_jobs")
+        assert "RLHF_MAX_PENDING_JOBS" in error_of(refused)["message"]
+        again = client.post("/v1/jobs", json=SFT_SPEC, headers={"Idempotency-Key": "one"})
+        assert (again.status_code, again.json()["id"]) == (200, first)  # a retry adds nothing: not refused
+        db.status(first, "running")  # started: no longer counted
+        assert client.post("/v1/jobs", json=SFT_SPEC).status_code == 201
+        assert client.post(f"/v1/jobs/{waiting['id']}/cancel").json()["status"] == "cancelled"
+        assert client.post("/v1/jobs", json=SFT_SPEC).status_code == 201
+    other = new_project(settings, "other")  # the bound is per project
+    with TestClient(app, headers=other.headers) as client:
+        assert client.post("/v1/jobs", json=SFT_SPEC).status_code == 201
+
+
+def test_submit_and_cancel_do_not_read_every_waiting_job(
+    client: TestClient, settings: Settings, project: Project, db: Db
+) -> None:
+    """Submitting a job that waits, and cancelling a job, touch only the jobs involved: as many statements with 2
+    waiting jobs in the project as with 22."""
+    running = db.job(project.id, status="running")
+
+    def wait_for_running(count: int) -> None:
+        for _ in range(count):
+            db.job(project.id, spec={**RM_SPEC, "model": f"job:{running}"}, status="waiting")
+
+    def submit_and_cancel() -> int:
+        queued = db.job(project.id)
+        with counted_statements(settings) as statements:
+            assert client.post("/v1/jobs", json={**RM_SPEC, "model": f"job:{queued}"}).json()["status"] == "waiting"
+            assert client.post(f"/v1/jobs/{queued}/cancel").json()["status"] == "cancelled"
+        return len(statements)
+
+    wait_for_running(2)
+    few = submit_and_cancel()
+    wait_for_running(20)
+    assert submit_and_cancel() == few
+
+
+@pytest.mark.parametrize(
+    ("hyperparameters", "param"),
+    [
+        ({"epochs": True}, "hyperparameters.epochs"),  # true is not 1
+        ({"batch_size": True}, "hyperparameters.batch_size"),
+        ({"max_steps": False}, "hyperparameters.max_steps"),
+        ({"batch_size": 65_536}, "hyperparameters.batch_size"),  # past MAX_BATCH_SIZE
+        ({"batch_size": 1024}, "hyperparameters.batch_size"),  # one pass of 1024 sequences
+    ],
+)
+def test_booleans_as_numbers_and_huge_batches_are_refused(
+    client: TestClient, calls: Calls, hyperparameters: dict[str, Any], param: str
+) -> None:
+    response = client.post("/v1/jobs", json={**SFT_SPEC, "hyperparameters": hyperparameters})
+    assert response.status_code == 422, response.text
+    assert (error_of(response)["code"], error_of(response)["param"]) == ("invalid_request", param)
+    assert calls.enqueued == []
+
+
+def test_a_large_batch_in_micro_batches_is_accepted(client: TestClient) -> None:
+    spec = {**SFT_SPEC, "hyperparameters": {"batch_size": MAX_BATCH_SIZE, "gradient_accumulation_steps": 8}}
+    assert client.post("/v1/jobs", json=spec).status_code == 201
+    ppo = {**PPO_SPEC, "hyperparameters": {"batch_size": 1024, "mini_batch_size": 1024}}
+    refused = client.post("/v1/jobs", json=ppo)
+    assert (refused.status_code, error_of(refused)["param"]) == (422, "hyperparameters.mini_batch_size")
+    ppo["hyperparameters"]["gradient_accumulation_steps"] = 4
+    assert client.post("/v1/jobs", json=ppo).status_code == 201

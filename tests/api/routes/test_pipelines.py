@@ -132,3 +132,32 @@ def test_a_dependency_that_finished_before_the_commit_is_noticed(
     response = client.post("/v1/jobs", json={**RM_SPEC, "model": f"job:{done}"})
     assert response.json()["status"] == "queued"
     assert calls.enqueued == [response.json()["id"]]
+
+
+def test_a_pipeline_key_retried_with_other_stages_is_a_conflict(client: TestClient, project: Project) -> None:
+    first = submit(client, STAGES, key="pipe-2")
+    assert first.status_code == 201
+    fewer = {name: STAGES[name] for name in ("sft", "rm")}
+    more = {**STAGES, "extra": {**SFT_SPEC, "seed": 3}}
+    others = {"x": SFT_SPEC, "y": {**RM_SPEC, "model": "stage:x"}}
+    for stages in (fewer, more, others, {"rm": STAGES["rm"], "sft": SFT_SPEC, "ppo": STAGES["ppo"]}):
+        response = submit(client, stages, key="pipe-2")
+        assert (response.status_code, error_of(response)["code"]) == (409, "conflict"), stages
+        assert error_of(response)["param"] == "Idempotency-Key"
+    assert len(client.get("/v1/jobs").json()["data"]) == 3  # nothing was added
+    again = submit(client, STAGES, key="pipe-2")
+    assert again.status_code == 200 and again.json() == {**first.json(), "stages": again.json()["stages"]}
+    assert {n: j["id"] for n, j in again.json()["stages"].items()} == {
+        n: j["id"] for n, j in first.json()["stages"].items()
+    }
+
+
+def test_pipeline_keys_and_job_keys_never_meet(client: TestClient, calls: Calls) -> None:
+    job = client.post("/v1/jobs", json=SFT_SPEC, headers={"Idempotency-Key": "k/sft"})
+    pipeline = submit(client, {"sft": SFT_SPEC}, key="k")
+    assert (job.status_code, pipeline.status_code) == (201, 201)
+    assert pipeline.json()["stages"]["sft"]["id"] != job.json()["id"]
+    staged = submit(client, {"sft": SFT_SPEC}, key="p")
+    job_again = client.post("/v1/jobs", json=SFT_SPEC, headers={"Idempotency-Key": "p/sft"})
+    assert job_again.status_code == 201 and job_again.json()["id"] != staged.json()["stages"]["sft"]["id"]
+    assert len(set(calls.enqueued)) == 4

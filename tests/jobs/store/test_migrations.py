@@ -62,7 +62,7 @@ def test_0004_fills_files_kind_from_purpose_and_downgrades(bare_url: str) -> Non
                 )
         engine.dispose()  # no pooled connection holds the table while Alembic rebuilds it
 
-        migrate.upgrade(bare_url)
+        migrate.upgrade(bare_url, "0004")
         assert query(engine, "SELECT version_num FROM alembic_version") == [("0004",)]
         assert dict(query(engine, "SELECT purpose, kind FROM files")) == {
             "sft": "sft",
@@ -98,5 +98,54 @@ def test_0004_fills_files_kind_from_purpose_and_downgrades(bare_url: str) -> Non
             "rm": "preference",
             "ppo": "prompts",
         }
+    finally:
+        engine.dispose()
+
+
+def jobs_columns(engine: sa.Engine) -> set[str]:
+    return {column["name"] for column in sa.inspect(engine).get_columns("jobs")}
+
+
+def test_0005_adds_sent_at_pipeline_keys_and_dependencies_and_downgrades(bare_url: str) -> None:
+    migrate.upgrade(bare_url, "0004")
+    engine = db.make_engine(bare_url)
+    insert_job = sa.text(
+        "INSERT INTO jobs (id, project_id, type, status, spec, idempotency_key, attempt, step, latest_metrics, "
+        "created_at, updated_at) VALUES (:id, 'p', 'sft', 'queued', '{}', :key, 1, 0, '{}', :now, :now)"
+    )
+    try:
+        now = datetime.now(UTC)
+        with engine.begin() as connection:
+            connection.execute(
+                sa.text("INSERT INTO projects (id, name, created_at) VALUES ('p', 'test', :now)"), {"now": now}
+            )
+            connection.execute(insert_job, {"id": "job_old", "key": "k", "now": now})
+        engine.dispose()
+
+        migrate.upgrade(bare_url)
+        assert query(engine, "SELECT version_num FROM alembic_version") == [("0005",)]
+        assert {"sent_at", "pipeline_key", "stage"} <= jobs_columns(engine)
+        assert query(engine, "SELECT id, sent_at, pipeline_key FROM jobs") == [("job_old", None, None)]  # sent again
+        with engine.begin() as connection:  # a pipeline's stage, waiting for the old job
+            connection.execute(insert_job, {"id": "job_stage", "key": None, "now": now})
+            connection.execute(sa.text("UPDATE jobs SET pipeline_key = 'pipe', stage = 'rm' WHERE id = 'job_stage'"))
+            connection.execute(sa.text("INSERT INTO job_dependencies VALUES ('job_stage', 'job_old')"))
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as connection:  # one job per stage of a key
+            connection.execute(insert_job, {"id": "job_twin", "key": None, "now": now})
+            connection.execute(sa.text("UPDATE jobs SET pipeline_key = 'pipe', stage = 'rm' WHERE id = 'job_twin'"))
+        engine.dispose()
+
+        command.downgrade(migrate.alembic_config(bare_url), "0004")
+        assert query(engine, "SELECT version_num FROM alembic_version") == [("0004",)]
+        assert "sent_at" not in jobs_columns(engine) and "job_dependencies" not in sa.inspect(engine).get_table_names()
+        # the stage keeps its key the way 0004 stored it
+        assert query(engine, "SELECT id, idempotency_key FROM jobs ORDER BY id") == [
+            ("job_old", "k"),
+            ("job_stage", "pipe/rm"),
+        ]
+        engine.dispose()
+
+        migrate.upgrade(bare_url)  # and up again
+        assert query(engine, "SELECT count(*) FROM job_dependencies") == [(0,)]
     finally:
         engine.dispose()
