@@ -2,7 +2,7 @@
 
 Server:  rlhf serve | rlhf api | rlhf worker --queues train | rlhf db upgrade | rlhf keys create
 Client:  rlhf submit SPEC|PIPELINE | rlhf jobs list|get|cancel|pause|resume | rlhf logs JOB --follow
-         rlhf generate JOB PROMPT
+         rlhf generate JOB PROMPT | rlhf download JOB[@STEP] [-o DIR]
 Local:   rlhf train SPEC --out DIR | rlhf generate --model DIR --prompt TEXT | rlhf demo [--local]
 
 The processes of ``rlhf serve`` are supervised by jobs/supervisor.py, the database and keys prepared by
@@ -183,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score", action="store_true", help="add reward-model scores (PPO jobs)")
     engine_cli.add_sampling_arguments(p)
     p.set_defaults(func=cmd_generate)
+
+    p = client_args(sub.add_parser("download", help="download a job's model (or a checkpoint's) into a folder"))
+    p.add_argument("job", metavar="JOB[@STEP]", help="job id; @STEP for the checkpoint of that step")
+    p.add_argument("-o", "--out", type=Path, help="folder to unpack into (default: ./JOB, or ./JOB-step-STEP)")
+    p.add_argument("--force", action="store_true", help="unpack into a non-empty folder, replacing the model's files")
+    p.set_defaults(func=client.cmd_download)
 
     engine_cli.add_train_command(sub)
 

@@ -1,15 +1,22 @@
-"""A small HTTP client of the service, and the ``rlhf`` commands that use it: ``submit``, ``jobs``, ``logs`` and
-``generate JOB``. :func:`follow` shows a job's live progress (``--follow``, and the stages of ``rlhf demo``)."""
+"""A small HTTP client of the service, and the ``rlhf`` commands that use it: ``submit``, ``jobs``, ``logs``,
+``generate JOB`` and ``download JOB[@STEP]``. :func:`follow` shows a job's live progress (``--follow``, and the stages
+of ``rlhf demo``)."""
 
 import argparse
 import json
+import os
+import re
+import shutil
+import tarfile
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import httpx
+from tqdm import tqdm
 
 from engine import cli as engine_cli
 from jobs.store.settings import Settings, get_settings
@@ -25,6 +32,8 @@ STREAM_RETRY_MAX_S = 2.0
 STREAM_TIMEOUT = httpx.Timeout(10.0, read=60.0)
 """The server sends a keep-alive comment at least every 15 s: a minute of silence is a dead connection."""
 RETRY_STATUSES = (502, 503, 504)
+DOWNLOAD_TIMEOUT = httpx.Timeout(10.0, read=300.0)
+"""A model download may wait on a slow disk between chunks, never for minutes."""
 
 
 class ClientError(RuntimeError):
@@ -64,11 +73,7 @@ class Client:
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         response = self.http.request(method, path, **kwargs)
         if response.is_error:
-            try:
-                error = response.json()["error"]
-            except (ValueError, KeyError, TypeError):
-                raise ClientError(response.status_code, "http_error", response.text[:500]) from None
-            raise ClientError(response.status_code, error["code"], error["message"], error.get("param"))
+            raise error_of(response)
         return response.json()
 
     def upload_file(self, path: Path, purpose: str) -> dict[str, Any]:
@@ -87,6 +92,43 @@ class Client:
 
     def get_job(self, job_id: str) -> dict[str, Any]:
         return self.request("GET", f"/v1/jobs/{job_id}")
+
+    def download_model(
+        self, job_id: str, step: int | None, dest: Path, force: bool = False, progress: bool = True
+    ) -> Path:
+        """Download the final model of a job (``step`` None) or the model of its checkpoint at ``step``, and unpack
+        it into the folder ``dest``: a Hugging Face folder (with ``adapter/`` for a LoRA job). A non-empty ``dest``
+        is refused (FileExistsError) unless ``force``, which replaces the files and folders the archive holds and
+        leaves the others. The archive is unpacked beside ``dest`` as it arrives (``progress``: a bar of its
+        bytes) and moved in once whole, so a failed download leaves ``dest`` as it was."""
+        dest = dest.resolve()
+        if dest.exists() and not dest.is_dir():
+            raise FileExistsError(f"{dest} exists and is not a folder")
+        if dest.is_dir() and any(dest.iterdir()) and not force:
+            raise FileExistsError(f"{dest} is not empty; pass --force to replace the files the model brings")
+        path = f"/v1/jobs/{job_id}/model" if step is None else f"/v1/jobs/{job_id}/checkpoints/{step}/model"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}-download-", dir=dest.parent))
+        try:
+            with self.http.stream("GET", path, timeout=DOWNLOAD_TIMEOUT) as response:
+                if response.is_error:
+                    response.read()
+                    raise error_of(response)
+                size = response.headers.get("content-length")
+                total = int(size) if size else None
+                with tqdm(total=total, desc=dest.name, unit="B", unit_scale=True, disable=not progress) as bar:
+                    unpack_model(ChunkReader(response.iter_bytes(), bar.update), staging)
+            dest.mkdir(exist_ok=True)
+            for entry in sorted(staging.iterdir()):
+                target = dest / entry.name
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target)
+                elif target.exists() or target.is_symlink():
+                    target.unlink()
+                os.replace(entry, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return dest
 
     def stream(
         self, job_id: str, last_event_id: str | None = None, *, reconnect_for: float = STREAM_RECONNECT_S
@@ -133,6 +175,61 @@ class Client:
                 raise ClientError(503, "stream_unavailable", f"the stream of {job_id} broke off: {error!r}") from error
             time.sleep(delay)
             delay = min(delay * 2, STREAM_RETRY_MAX_S)
+
+
+def error_of(response: httpx.Response) -> ClientError:
+    """The API's error envelope of a (read) error response, as a :class:`ClientError`."""
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return ClientError(response.status_code, "http_error", response.text[:500])
+    return ClientError(response.status_code, error["code"], error["message"], error.get("param"))
+
+
+class ChunkReader:
+    """The ``read(size)`` of a file over an iterator of byte chunks (a response body), calling ``on_bytes`` with the
+    length of each chunk it takes: what ``tarfile`` reads a stream from."""
+
+    def __init__(self, chunks: Iterator[bytes], on_bytes: Callable[[int], object] | None = None) -> None:
+        self.chunks, self.on_bytes = chunks, on_bytes
+        self.buffer = bytearray()
+
+    def read(self, size: int = -1) -> bytes:
+        while size < 0 or len(self.buffer) < size:
+            chunk = next(self.chunks, None)
+            if chunk is None:
+                break
+            if self.on_bytes is not None:
+                self.on_bytes(len(chunk))
+            self.buffer += chunk
+        taken = bytes(self.buffer if size < 0 else self.buffer[:size])
+        del self.buffer[: len(taken)]
+        return taken
+
+
+class UnsafeArchiveError(ValueError):
+    """A model archive holding what a model folder never holds: a link, a device, a path out of its folder."""
+
+
+def unpack_model(fileobj: Any, folder: Path) -> None:
+    """Unpack a model archive (a tar of one top folder, read as a stream from ``fileobj``) into ``folder``, without
+    its top folder. Only regular files and folders, at relative paths without ``..``, inside that one top folder are
+    taken; anything else raises :class:`UnsafeArchiveError` (tarfile's ``data`` filter checks again after)."""
+    top: list[str] = []
+
+    def inside_top(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:
+        parts = PurePosixPath(member.name).parts
+        if not (member.isfile() or member.isdir()) or member.name.startswith("/") or ".." in parts or not parts:
+            raise UnsafeArchiveError(f"the archive holds {member.name!r}, which a model folder never holds")
+        top[:] = top or [parts[0]]
+        if parts[0] != top[0] or (len(parts) == 1 and not member.isdir()):
+            raise UnsafeArchiveError(f"the archive's {member.name!r} is outside its one top folder {top[0]!r}")
+        if len(parts) == 1:
+            return None  # the top folder itself: its files go straight into ``folder``
+        return tarfile.data_filter(member.replace(name="/".join(parts[1:]), deep=False), path)
+
+    with tarfile.open(fileobj=fileobj, mode="r|") as tar:
+        tar.extractall(folder, filter=inside_top)
 
 
 class _Unavailable(Exception):
@@ -289,3 +386,29 @@ def chat(args: argparse.Namespace, prompts: list[str]) -> None:
                 }
             )
         )
+
+
+_MODEL_REF = re.compile(r"^(?:job:)?([A-Za-z0-9_-]+)(?:@(\d+))?$")
+
+
+def parse_model_ref(ref: str) -> tuple[str, int | None]:
+    """``JOB``, ``JOB@STEP``, ``job:JOB`` or ``job:JOB@STEP`` (the model ids of the OpenAI-compatible endpoints) as
+    (job id, step or None)."""
+    match = _MODEL_REF.match(ref)
+    if match is None:
+        raise SystemExit(f"error: {ref!r} is not JOB or JOB@STEP (a job id, and optionally a checkpoint's step)")
+    return match.group(1), int(match.group(2)) if match.group(2) else None
+
+
+def cmd_download(args: argparse.Namespace) -> None:
+    """``rlhf download JOB[@STEP] [-o DIR] [--force]``: a job's final model, or a checkpoint's, unpacked into
+    ``DIR`` (default ``./<job id>``, or ``./<job id>-step-<STEP>``)."""
+    job_id, step = parse_model_ref(args.job)
+    dest = args.out or Path(job_id if step is None else f"{job_id}-step-{step}")
+    try:
+        folder = client_for(args).download_model(job_id, step, dest, force=args.force)
+    except (OSError, UnsafeArchiveError) as e:  # a non-empty folder, a disk full
+        raise SystemExit(f"error: {e}") from None
+    except (httpx.HTTPError, tarfile.TarError) as e:
+        raise SystemExit(f"error: the download of {args.job} broke off, {dest} is as it was: {e!r}") from None
+    print(folder)

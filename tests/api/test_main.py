@@ -27,6 +27,8 @@ DESIGN_ROUTES = {
     ("get", "/v1/jobs/{job_id}/checkpoints"), ("post", "/v1/jobs/{job_id}/generate"),
     ("get", "/v1/jobs/{job_id}/tensorboard"), ("get", "/v1/jobs/{job_id}/samples"),
     ("get", "/v1/job_types"),
+    # Getting a model out (issue 23, item 15).
+    ("get", "/v1/jobs/{job_id}/model"), ("get", "/v1/jobs/{job_id}/checkpoints/{step}/model"),
     ("get", "/healthz"), ("get", "/readyz"),
     # OpenAI-compatible (issue 7).
     ("get", "/v1/models"), ("get", "/v1/models/{model_id}"), ("post", "/v1/completions"),
