@@ -26,6 +26,7 @@ from api.openai_schemas import (
     ReinforcementHyperparameters,
 )
 from api.schemas import MAX_INT32, unix
+from engine.auto import auto_batch_size, auto_epochs
 from engine.config import JOB_TYPES
 from jobs.store.models import Checkpoint, Event, Job
 
@@ -33,30 +34,9 @@ METHOD_TYPES = {info.openai_method: name for name, info in JOB_TYPES.items() if 
 """Job type of each fine-tuning method."""
 FINE_TUNING_TYPES = tuple(METHOD_TYPES.values())
 
-MIN_TARGET_EXAMPLES = 100
-"""``n_epochs: "auto"``: enough epochs that training sees at least this many examples (at most 25 epochs)..."""
-MAX_TARGET_EXAMPLES = 25_000
-"""... and few enough that it sees at most this many (at least one epoch); 3 epochs in between."""
-DEFAULT_EPOCHS = 3
-MAX_AUTO_EPOCHS = 25
-MAX_AUTO_BATCH = 256
 DEFAULT_GROUP_SIZE = 8
 """``compute_multiplier: 1``: responses sampled per prompt."""
 MAX_MINI_BATCH = 64
-
-
-def auto_epochs(rows: int) -> int:
-    """``n_epochs: "auto"`` for a training file of ``rows`` examples (OpenAI's documented rule)."""
-    if rows * DEFAULT_EPOCHS < MIN_TARGET_EXAMPLES:
-        return min(MAX_AUTO_EPOCHS, math.ceil(MIN_TARGET_EXAMPLES / rows))
-    if rows * DEFAULT_EPOCHS > MAX_TARGET_EXAMPLES:
-        return max(1, MAX_TARGET_EXAMPLES // rows)
-    return DEFAULT_EPOCHS
-
-
-def auto_batch_size(rows: int) -> int:
-    """``batch_size: "auto"``: about 0.2% of the examples, between 1 and 256 (OpenAI's documented rule)."""
-    return max(1, min(MAX_AUTO_BATCH, round(rows * 0.002)))
 
 
 class RequestError(ValueError):

@@ -30,7 +30,7 @@ from engine.config import JobSpec
 from jobs.recovery import release_once
 from jobs.store import crud
 from jobs.store.models import FINAL_STATUSES, Job, Project, utcnow
-from jobs.store.refs import SpecReferenceError, dependencies, resolve_spec
+from jobs.store.refs import SpecReferenceError, auto_values, dependencies, resolve_spec
 from jobs.store.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -154,8 +154,10 @@ def check_pending(session: Session, settings: Settings, project: Project, adding
 def validated_spec(
     session: Session, settings: Settings, project: Project, body: dict[str, Any], param_prefix: str = ""
 ) -> tuple[dict[str, Any], list[str]]:
-    """The spec as stored (every default filled in, so equal specs are stored equal: idempotency compares them)
-    and the unfinished jobs it names; a 422 naming the field (after ``param_prefix``) when it is refused."""
+    """The spec as stored (every default filled in, so equal specs are stored equal: idempotency compares them;
+    the epochs or steps and the learning rate it leaves out chosen "auto" from its dataset's rows and its model's
+    width, engine/auto.py) and the unfinished jobs it names; a 422 naming the field (after ``param_prefix``) when
+    it is refused."""
     try:
         spec = JobSpec.model_validate(body).model_dump(mode="json")
     except ValidationError as e:
@@ -175,6 +177,19 @@ def validated_spec(
         )
     except SpecReferenceError as e:
         raise ApiError(422, e.code, e.message, param=param_prefix + e.param) from None
+    given = body.get("hyperparameters") or {}
+    chosen = auto_values(
+        session,
+        project_id=project.id,
+        spec=spec,
+        given=given,
+        artifacts=settings.resolved_artifacts_dir,
+        model_root=settings.model_root,
+    )
+    if chosen:  # the values chosen are stored with the spec, so the job shows what it trains with
+        spec["hyperparameters"] = JobSpec.model_validate(
+            {**body, "hyperparameters": {**given, **chosen}}
+        ).hyperparameters
     processes = spec["resources"]["num_processes"]
     if processes > settings.max_processes:
         message = (f"{processes} processes asked; this server's workers train a job in at most "

@@ -15,6 +15,8 @@ What a spec may name on the server:
   ``rlhf train`` reads are refused: the server reads no file a client names.
 """
 
+import functools
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +26,8 @@ from typing import Any
 from huggingface_hub import try_to_load_from_cache
 from sqlalchemy.orm import Session
 
-from engine.builtin import TINY_CONFIG, TINY_MODEL
+from engine.auto import auto_hyperparameters, model_width
+from engine.builtin import DATASETS, TINY_CONFIG, TINY_MODEL
 from engine.config import JOB_TYPES
 from engine.graders import check_allowed, parse_grader, replace_models
 from engine.hub import is_hub_id
@@ -116,6 +119,78 @@ def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], art
         )
     _check_context(spec, resolved["model"])
     return resolved
+
+
+def auto_values(
+    session: Session,
+    *,
+    project_id: str,
+    spec: dict[str, Any],
+    given: dict[str, Any],
+    artifacts: Path,
+    model_root: Path | None,
+) -> dict[str, Any]:
+    """The "auto" hyperparameters (engine/auto.py) of a validated ``spec`` whose request gave ``given``: the epochs
+    or steps from its dataset's rows, the learning rate from its model's width, each when it can be told here."""
+    return auto_hyperparameters(
+        spec["type"],
+        given,
+        rows=dataset_rows(session, project_id=project_id, ref=spec["dataset"]),
+        width=model_width_of(
+            session, project_id=project_id, ref=spec["model"], artifacts=artifacts, model_root=model_root
+        ),
+        lora=spec.get("lora") is not None,
+    )
+
+
+def dataset_rows(session: Session, *, project_id: str, ref: str) -> int | None:
+    """The rows of a spec's dataset: a built-in one's, or an uploaded file's as counted at upload."""
+    if ref.startswith("builtin:"):
+        return _builtin_rows(ref.removeprefix("builtin:"))
+    file = crud.get_file(session, file_id=ref, project_id=project_id) if _FILE_ID.match(ref) else None
+    return file.rows if file is not None else None
+
+
+@functools.cache
+def _builtin_rows(name: str) -> int | None:
+    return len(DATASETS[name][1]()) if name in DATASETS else None
+
+
+_MAX_JOB_CHAIN = 32
+"""How many ``job:`` links :func:`model_width_of` follows back to a model whose config is at hand."""
+
+
+def model_width_of(
+    session: Session, *, project_id: str, ref: str, artifacts: Path, model_root: Path | None, depth: int = 0
+) -> int | None:
+    """The hidden size of the model a spec's ``model`` names, read from its ``config.json`` without loading it: the
+    built-in model's, a folder's, a cached hub model's, a job's saved model, or (a job not finished yet) the model
+    that job starts from, since training keeps a model's width. None when it cannot be told here."""
+    if ref.startswith("builtin:"):
+        return model_width(TINY_CONFIG)
+    try:
+        resolved = _model(session, project_id, "model", ref, tuple(JOB_TYPES), artifacts, model_root, True, [])
+    except SpecReferenceError:
+        return None
+    folder = _model_folder(resolved)
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8")) if folder else None
+    except (OSError, ValueError):
+        config = None
+    if isinstance(config, dict):
+        return model_width(config)
+    match = _JOB_REF.match(ref)
+    job = crud.get_job(session, job_id=match.group(1), project_id=project_id) if match else None
+    if job is None or depth >= _MAX_JOB_CHAIN:
+        return None
+    return model_width_of(
+        session,
+        project_id=project_id,
+        ref=job.spec["model"],
+        artifacts=artifacts,
+        model_root=model_root,
+        depth=depth + 1,
+    )
 
 
 def resolve_stored(session: Session, job: Job, settings: Settings) -> dict[str, Any]:

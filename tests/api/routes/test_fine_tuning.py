@@ -11,7 +11,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from api.fine_tuning import auto_batch_size, auto_epochs, request_param
+from api.fine_tuning import request_param
 from api.openai_schemas import FineTuningJobCreate
 from tests.api.helpers import PPO_SPEC, SFT_SPEC, Calls, Db
 from tests.factories import Project
@@ -183,11 +183,6 @@ def test_a_bad_grader_is_named_under_the_method() -> None:
     assert request_param("reward.type", body) == "method.reinforcement.grader.type"
     assert request_param("hyperparameters.total_steps", body) == "method.reinforcement.hyperparameters.n_epochs"
     assert request_param("dataset", body) == "training_file"
-
-
-def test_auto_values_follow_the_dataset_size() -> None:
-    assert [auto_epochs(n) for n in (1, 10, 33, 34, 100, 8333, 8334, 20_000, 30_000)] == [25, 10, 4, 3, 3, 3, 2, 1, 1]
-    assert [auto_batch_size(n) for n in (1, 249, 250, 1000, 10_000, 1_000_000)] == [1, 1, 1, 2, 20, 256]
 
 
 def test_jobs_list_retrieve_control_events_and_checkpoints(

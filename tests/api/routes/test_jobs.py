@@ -38,7 +38,8 @@ def test_create_job(client: TestClient, calls: Calls) -> None:
     assert (job["error"], job["output_model"], job["started_at"], job["finished_at"]) == (None, None, None, None)
     assert job["created_at"].endswith(("Z", "+00:00"))
     assert job["spec"]["hyperparameters"]["max_steps"] == 7
-    assert job["spec"]["hyperparameters"]["learning_rate"] == 1e-3  # defaults filled in
+    assert job["spec"]["hyperparameters"]["warmup_steps"] == 0  # defaults filled in
+    assert job["spec"]["hyperparameters"]["learning_rate"] == 6.4e-4  # chosen for builtin:tiny's width (auto)
     assert calls.enqueued == [job["id"]] and calls.queues == ["train"]
     assert job["spec"]["resources"] == {"queue": "train", "num_processes": 1}
     assert client.get(f"/v1/jobs/{job['id']}").json() == job
