@@ -56,7 +56,8 @@ class ErrorResponse(BaseModel):
 
 
 _DESCRIPTIONS = {
-    400: "The request could not be parsed (e.g. a malformed multipart body).",
+    400: "The request could not be parsed (e.g. a malformed multipart body), or asks for what this server does not "
+    "do (`unsupported`; `param` names it).",
     401: "Missing, unknown or revoked API key.",
     404: "No such object in the caller's project.",
     409: "The request conflicts with the object's state.",

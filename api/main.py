@@ -130,6 +130,7 @@ def create_app(
         fine_tuning,
     ):
         v1.include_router(module.router)
+    v1.include_router(fine_tuning.checkpoints_router)
     app.include_router(v1)
     app.include_router(health.router)
     app.include_router(dashboard.router)  # `/` and `/static/…`: the web dashboard, outside the schema

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NoReturn
 
 import httpx
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from engine.rows import Text
 
@@ -288,8 +288,21 @@ class PythonGrader(_GraderBase):
 
     type: Literal["python"] = "python"
     """The grader kind."""
+    source: Annotated[str | None, Field(exclude=True)] = None
+    """OpenAI's Python grader source code: not run here, refused naming this field (before ``function``, so the
+    refusal names it first)."""
     function: Annotated[str, Field(max_length=300, pattern=FUNCTION_PATH)]
     """``module.path:function_name``; the operator's ``allowed_functions`` must admit it."""
+
+    @field_validator("source")
+    @classmethod
+    def _no_source(cls, source: str | None) -> None:
+        if source is not None:
+            raise ValueError(
+                "Python source graders are not run by this server; give function, a module.path:function_name "
+                "the operator allows (RLHF_REWARD_FUNCTIONS), instead of source"
+            )
+        return None
 
 
 class MultiGrader(_GraderBase):

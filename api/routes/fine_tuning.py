@@ -38,6 +38,7 @@ from jobs.store import crud
 from jobs.store.models import Job, Project
 
 router = APIRouter(prefix="/fine_tuning/jobs", tags=["openai"])
+checkpoints_router = APIRouter(prefix="/fine_tuning/checkpoints", tags=["openai"])
 
 
 def _fine_tuning_job(session: Session, project: Project, job_id: str) -> Job:
@@ -208,3 +209,33 @@ def list_fine_tuning_checkpoints(
         first_id=data[0].id if data else None,
         last_id=data[-1].id if data else None,
     )
+
+
+# --- checkpoint permissions: not kept here -----------------------------------------------------------------------
+
+PERMISSIONS_UNSUPPORTED = (
+    "checkpoint permissions are not supported: a checkpoint belongs to its job's project, every key of that project "
+    "may use it as a model (job:<id>@<step>), and no other project can"
+)
+
+
+def _no_permissions() -> ApiError:
+    return ApiError(400, "unsupported", PERMISSIONS_UNSUPPORTED, param="checkpoints.permissions")
+
+
+@checkpoints_router.post("/{fine_tuned_model_checkpoint}/permissions", responses=error_responses(400))
+def create_checkpoint_permissions(project: CurrentProject, fine_tuned_model_checkpoint: str) -> None:
+    """Not supported (400 ``unsupported``): sharing a checkpoint with other projects."""
+    raise _no_permissions()
+
+
+@checkpoints_router.get("/{fine_tuned_model_checkpoint}/permissions", responses=error_responses(400))
+def list_checkpoint_permissions(project: CurrentProject, fine_tuned_model_checkpoint: str) -> None:
+    """Not supported (400 ``unsupported``): a checkpoint has no permissions besides its project's."""
+    raise _no_permissions()
+
+
+@checkpoints_router.delete("/{fine_tuned_model_checkpoint}/permissions/{permission_id}", responses=error_responses(400))
+def delete_checkpoint_permission(project: CurrentProject, fine_tuned_model_checkpoint: str, permission_id: str) -> None:
+    """Not supported (400 ``unsupported``): there are no permissions to delete."""
+    raise _no_permissions()

@@ -41,6 +41,9 @@ DESIGN_ROUTES = {
     ("post", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/resume"),
     ("get", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/events"),
     ("get", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/checkpoints"),
+    ("post", "/v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions"),
+    ("get", "/v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions"),
+    ("delete", "/v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions/{permission_id}"),
 }  # fmt: skip
 
 

@@ -71,10 +71,13 @@ def test_another_projects_objects_are_invisible_on_every_route(
 
         for job_id in a_jobs:
             missing("GET", f"/v1/jobs/{job_id}", "/v1/jobs/{job_id}")
-            for sub in ("metrics", "events", "checkpoints", "stream", "tensorboard", "samples"):
+            for sub in ("metrics", "events", "checkpoints", "stream", "tensorboard", "samples", "model"):
                 missing("GET", f"/v1/jobs/{job_id}/{sub}", f"/v1/jobs/{{job_id}}/{sub}")
             for action in ("cancel", "pause", "resume"):
                 missing("POST", f"/v1/jobs/{job_id}/{action}", f"/v1/jobs/{{job_id}}/{action}")
+            for step in (1, 2):
+                path = f"/v1/jobs/{job_id}/checkpoints/{step}/model"
+                missing("GET", path, "/v1/jobs/{job_id}/checkpoints/{step}/model")
             for checkpoint in ("latest", 1, 2):
                 body = {"prompts": ["hi"], "checkpoint": checkpoint}
                 missing("POST", f"/v1/jobs/{job_id}/generate", "/v1/jobs/{job_id}/generate", json=body)
@@ -121,6 +124,16 @@ def test_another_projects_objects_are_invisible_on_every_route(
         assert client.get("/v1/files", params={"after": file.id}).json() == {"data": [], "has_more": False}
         assert client.get("/v1/files").json() == {"data": [], "has_more": False}
         walked |= {("GET", "/v1/jobs"), ("GET", "/v1/files")}
+        # Checkpoint permissions are not kept: refused alike for A's checkpoints and for none at all.
+        base = "/v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions"
+        for checkpoint in (f"job:{succeeded}@2", "job:job_000000000000@2"):
+            for response in (
+                client.post(f"/v1/fine_tuning/checkpoints/{checkpoint}/permissions", json={"project_ids": ["p"]}),
+                client.get(f"/v1/fine_tuning/checkpoints/{checkpoint}/permissions"),
+                client.delete(f"/v1/fine_tuning/checkpoints/{checkpoint}/permissions/perm-1"),
+            ):
+                assert (response.status_code, error_of(response)["code"]) == (400, "unsupported"), response.text
+        walked |= {("POST", base), ("GET", base), ("DELETE", base + "/{permission_id}")}
         # The job types are the server's, not a project's: both projects see the same list.
         assert client.get("/v1/job_types").json() == client.get("/v1/job_types", headers=a.headers).json()
         walked.add(("GET", "/v1/job_types"))

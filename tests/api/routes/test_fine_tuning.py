@@ -176,6 +176,31 @@ def test_a_refused_request_names_its_field(
     assert (refused.value.code, refused.value.param) == (code, param), refused.value.message
 
 
+def test_a_python_source_grader_is_refused_naming_source(oa: openai.OpenAI, model: str) -> None:
+    file = upload(oa, openai_rows("reinforcement", 40))
+    grader = {"type": "python", "name": "g", "source": "def grade(sample, item):\n    return 1.0\n"}
+    with pytest.raises(openai.APIStatusError) as refused:
+        oa.fine_tuning.jobs.create(
+            model=model, training_file=file.id, method={"type": "reinforcement", "reinforcement": {"grader": grader}}
+        )
+    assert refused.value.status_code == 422
+    assert refused.value.param == "method.reinforcement.grader.python.source", refused.value.message
+    assert "Python source graders are not run" in refused.value.message
+
+
+def test_checkpoint_permissions_are_refused_naming_them(oa: openai.OpenAI) -> None:
+    calls = [
+        lambda: oa.fine_tuning.checkpoints.permissions.create("ftckpt-1", project_ids=["proj_x"]),
+        lambda: oa.fine_tuning.checkpoints.permissions.list("ftckpt-1"),
+        lambda: oa.fine_tuning.checkpoints.permissions.delete("perm-1", fine_tuned_model_checkpoint="ftckpt-1"),
+    ]
+    for call in calls:
+        with pytest.raises(openai.BadRequestError) as refused:
+            call()
+        assert (refused.value.code, refused.value.param) == ("unsupported", "checkpoints.permissions")
+        assert "checkpoint permissions are not supported" in refused.value.message
+
+
 def test_a_bad_grader_is_named_under_the_method() -> None:
     body = FineTuningJobCreate.model_validate(
         {"model": "m", "training_file": "file-x", "method": {"type": "reinforcement", "reinforcement": {"grader": {}}}}
