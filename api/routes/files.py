@@ -3,6 +3,7 @@
 import contextlib
 import os
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -106,29 +107,53 @@ def _filename(name: str | None) -> str:
     return base[:255] or "upload.jsonl"
 
 
-STALE_UPLOAD_SECONDS = 3600
-"""An upload's temporary file untouched this long was left by an API process that died writing it."""
+STALE_UPLOAD_SECONDS = 600
+"""An upload's temporary file untouched this long was left by an API process that died writing it: the copy of an
+upload the API has received to disk takes seconds."""
 
 
 def remove_stale_uploads(files_dir: Path, older_than_s: float = STALE_UPLOAD_SECONDS) -> list[str]:
-    """Delete the temporary files (``.<name>.<random>.tmp``) that uploads interrupted by a killed API left, once
-    they are older than any upload in progress could be; returns their names. Run when the API starts."""
+    """Delete the temporary files (``.<name>~<host>~<pid>~<random>.tmp``) that uploads interrupted by a killed API
+    left: at once those whose writer, a process of this host, has ended, and the others (another host's) once they
+    are older than any upload in progress could be; returns their names. Run when the API starts."""
     if not files_dir.is_dir():
         return []
     cutoff = time.time() - older_than_s
     removed = []
     for path in files_dir.glob(".*.tmp"):
         with contextlib.suppress(FileNotFoundError):
-            if path.is_file() and path.stat().st_mtime < cutoff:
+            if path.is_file() and (_writer_ended(path.name) or path.stat().st_mtime < cutoff):
                 path.unlink()
                 removed.append(path.name)
     return removed
 
 
+def _temp_prefix(target: Path) -> str:
+    """The start of the name of ``target``'s temporary file: whose it is, so that a restart can tell it was lost."""
+    return f".{target.name}~{socket.gethostname()}~{os.getpid()}~"
+
+
+def _writer_ended(name: str) -> bool:
+    """Whether the process of this host that wrote the temporary file ``name`` has ended."""
+    parts = name.split("~")
+    if len(parts) != 4 or parts[1] != socket.gethostname() or not parts[2].isdigit():
+        return False
+    pid = int(parts[2])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # it exists, as another user's
+        return False
+    return False
+
+
 def _write_atomically(stream: BinaryIO, target: Path) -> None:
     """Copy to a temporary file beside ``target`` and rename it into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=_temp_prefix(target), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as out:
             shutil.copyfileobj(stream, out, 1024 * 1024)

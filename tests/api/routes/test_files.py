@@ -1,6 +1,9 @@
 """POST/GET /v1/files: JSONL validated line by line; nothing partial is stored."""
 
 import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -116,15 +119,26 @@ def test_unparsable_lines_are_422_naming_the_line(client: TestClient) -> None:
 def test_an_interrupted_uploads_temporary_file_is_removed_when_the_api_starts(
     settings: Settings, project: Project
 ) -> None:
-    """kill -9 of the API while it writes an upload leaves ``.<name>.<random>.tmp`` with no row: the next start
-    removes it once it is older than any upload in progress could be, and leaves a fresh one alone."""
+    """kill -9 of the API while it writes an upload leaves ``.<name>~<host>~<pid>~<random>.tmp`` with no row: the
+    next start removes it at once when its writer was a process of this host that has ended, and a file of another
+    host once it is older than any upload in progress could be; a live writer's file stays."""
     files_dir = settings.resolved_artifacts_dir / "files"
     files_dir.mkdir(parents=True, exist_ok=True)
-    stale, fresh = files_dir / ".file-aaaa.jsonl.x1.tmp", files_dir / ".file-bbbb.jsonl.x2.tmp"
-    for path in (stale, fresh):
-        path.write_bytes(b"{}" * 1000)
-    an_hour_and_more = time.time() - STALE_UPLOAD_SECONDS - 60
-    os.utime(stale, (an_hour_and_more, an_hour_and_more))
-    with TestClient(create_app(settings, enqueue=lambda *_: None, recovery_interval=None), headers=project.headers):
-        pass
-    assert not stale.exists() and fresh.exists()
+    host = socket.gethostname()
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as alive:
+        temps = {
+            "ended": files_dir / f".file-aaaa.jsonl~{host}~{int(ended.stdout)}~x1.tmp",
+            "alive": files_dir / f".file-bbbb.jsonl~{host}~{alive.pid}~x2.tmp",
+            "elsewhere": files_dir / ".file-cccc.jsonl~another-host~4242~x3.tmp",
+            "elsewhere_stale": files_dir / ".file-dddd.jsonl~another-host~4243~x4.tmp",
+        }
+        for path in temps.values():
+            path.write_bytes(b"{}" * 1000)
+        stale = time.time() - STALE_UPLOAD_SECONDS - 60
+        os.utime(temps["elsewhere_stale"], (stale, stale))
+        with TestClient(create_app(settings, enqueue=lambda *_: None, recovery_interval=None), headers=project.headers):
+            pass
+        alive.kill()
+    kept = {name: path.exists() for name, path in temps.items()}
+    assert kept == {"ended": False, "alive": True, "elsewhere": True, "elsewhere_stale": False}
