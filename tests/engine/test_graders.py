@@ -17,6 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine import graders
+from engine.callbacks import StopRequest
 from engine.graders import (
     ModelGrader,
     RewardError,
@@ -765,15 +766,16 @@ def test_an_answer_over_the_cap_is_not_read_to_its_end(server: RewardServer) -> 
     assert sum(sent) < chunks * len(chunk)  # the rest was never read
 
 
-def asks(*answers: str | None) -> Callable[[], Any]:
+class Asks:
     """A should_stop hook answering ``answers`` in turn, then the last one for ever; it counts its calls."""
 
-    def should_stop() -> Any:
-        should_stop.calls += 1  # type: ignore[attr-defined]
-        return answers[min(should_stop.calls, len(answers)) - 1]  # type: ignore[attr-defined]
+    def __init__(self, *answers: StopRequest | None) -> None:
+        self.answers = answers
+        self.calls = 0
 
-    should_stop.calls = 0  # type: ignore[attr-defined]
-    return should_stop
+    def __call__(self) -> StopRequest | None:
+        self.calls += 1
+        return self.answers[min(self.calls, len(self.answers)) - 1]
 
 
 def test_a_stop_reaches_an_http_grader_in_its_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -782,21 +784,29 @@ def test_a_stop_reaches_an_http_grader_in_its_backoff(monkeypatch: pytest.Monkey
         port = sock.getsockname()[1]
     slept: list[float] = []
     real_sleep = graders.time.sleep
-    monkeypatch.setattr(graders.time, "sleep", lambda seconds: (slept.append(seconds), real_sleep(seconds)))
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(graders.time, "sleep", sleep)
     grader = parse_grader(http_grader(f"http://127.0.0.1:{port}/score", retries=3, backoff_s=60))
-    should_stop = asks(None, None, None, None, "cancel")
+    should_stop = Asks(None, None, None, None, "cancel")
     with pytest.raises(RewardStopped) as stopped:
         score(grader, make_samples(["x"]), should_stop=should_stop)
     assert stopped.value.request == "cancel"
-    assert should_stop.calls == 5  # type: ignore[attr-defined]
+    assert should_stop.calls == 5
     assert slept and max(slept) <= graders.STOP_POLL_S  # the 60 s backoff, in slices that ask
 
 
 def test_a_stop_reaches_an_http_grader_waiting_for_its_answer(server: RewardServer) -> None:
-    server.handler = lambda handler: server.closing.wait(60)  # a service that never answers
+    def never_answer(handler: http.server.BaseHTTPRequestHandler) -> None:
+        server.closing.wait(60)
+
+    server.handler = never_answer
     grader = parse_grader(http_grader(server.url, timeout_s=600, retries=0))
     with pytest.raises(RewardStopped) as stopped:
-        score(grader, make_samples(["x"]), should_stop=asks(None, None, "pause"))
+        score(grader, make_samples(["x"]), should_stop=Asks(None, None, "pause"))
     assert stopped.value.request == "pause"
     assert len(server.requests) == 1
 
@@ -807,7 +817,8 @@ def test_the_worst_case_of_a_rewards_services_is_bounded() -> None:
     with pytest.raises(ValidationError, match="allows 62,927,100 s per request, over 3,600 s"):
         parse_grader(two_years)
     half = {"timeout_s": 500, "retries": 2, "backoff_s": 0}  # 1,500 s each
-    assert graders.schedule_s(parse_grader(http_grader("http://a/", **half))) == 1500 < bound
+    one = parse_grader(http_grader("http://a/", **half))
+    assert isinstance(one, graders.HttpGrader) and graders.schedule_s(one) == 1500 < bound
     services = {name: http_grader(f"http://{name}/", **half) for name in ("a", "b")}
     pair = {"type": "multi", "graders": services, "weights": {"a": 1, "b": 1}}
     parse_grader(pair)
