@@ -18,6 +18,7 @@ formulas are parsed by :mod:`ast` and interpreted over a whitelist of nodes. Not
 
 import ast
 import functools
+import http
 import importlib
 import ipaddress
 import json
@@ -25,8 +26,10 @@ import logging
 import math
 import numbers
 import operator
+import queue
 import re
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ from typing import Annotated, Any, Literal, NoReturn
 import httpx
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
+from engine.callbacks import StopRequest
 from engine.rows import Text
 
 logger = logging.getLogger(__name__)
@@ -47,6 +51,13 @@ MAX_COMPONENTS = 16
 """Graders one multi combines."""
 LOOPBACK = "loopback"
 """The allow-list entry for http(s) to 127.0.0.0/8, ::1 or localhost, on any port."""
+MAX_SCHEDULE_S = 3600.0
+"""Seconds a reward's http graders may take, at worst, for one request each: the sum over its graders of
+``timeout_s`` × (``retries`` + 1) plus the backoffs ``backoff_s`` × (2^``retries`` - 1). A spec over it is refused."""
+MAX_ANSWER_BYTES = 8 * 1024 * 1024
+"""Largest answer read from a reward service (an http grader's); a longer one is a malformed answer."""
+STOP_POLL_S = 0.25
+"""How often an http grader waiting for a service (a request, a backoff) asks whether the job should stop."""
 
 
 class RewardError(RuntimeError):
@@ -60,6 +71,18 @@ class RewardServiceError(RewardError):
 class RewardFunctionError(RewardError):
     """A reward function (a ``python`` grader) could not be imported, raised, or returned something else than
     one number per sample."""
+
+
+class RewardStopped(Exception):
+    """The job was asked to stop (``request``: cancel or pause) while its reward waited for a service."""
+
+    def __init__(self, request: StopRequest) -> None:
+        super().__init__(f"{request} requested during a reward call")
+        self.request = request
+
+
+StopCheck = Callable[[], StopRequest | None]
+"""The engine's :meth:`engine.callbacks.Callbacks.should_stop`: whether the job should stop now."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -275,7 +298,19 @@ class HttpGrader(_GraderBase):
             raise ValueError(f"url is not a URL: {e}") from None
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError("url must be an http:// or https:// URL with a host")
+        if schedule_s(self) > MAX_SCHEDULE_S:
+            raise ValueError(_schedule_problem(schedule_s(self)))
         return self
+
+
+def schedule_s(grader: HttpGrader) -> float:
+    """The longest an http grader may take over one request: every attempt timing out, after every backoff."""
+    return grader.timeout_s * (grader.retries + 1) + grader.backoff_s * (2**grader.retries - 1)
+
+
+def _schedule_problem(seconds: float) -> str:
+    worst = "timeout_s × (retries + 1) + backoff_s × (2^retries - 1)"
+    return f"{worst} allows {seconds:,.0f} s per request, over {MAX_SCHEDULE_S:,.0f} s; lower one of them"
 
 
 FUNCTION_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
@@ -350,8 +385,17 @@ def _unique_names(grader: _AnyGrader) -> _AnyGrader:
     return grader
 
 
-Grader = Annotated[_AnyGrader, AfterValidator(_unique_names)]
-"""A job's reward: one grader, told apart by ``type``, its names (its own and its components') unique."""
+def _bounded_schedule(grader: _AnyGrader) -> _AnyGrader:
+    services = [sub for _, sub in _walk(grader, _effective_name(grader)) if isinstance(sub, HttpGrader)]
+    total = sum(schedule_s(sub) for sub in services)
+    if total > MAX_SCHEDULE_S:
+        raise ValueError(f"the {len(services)} http graders: {_schedule_problem(total)}")
+    return grader
+
+
+Grader = Annotated[_AnyGrader, AfterValidator(_unique_names), AfterValidator(_bounded_schedule)]
+"""A job's reward: one grader, told apart by ``type``, its names (its own and its components') unique, its http
+graders' worst case within :data:`MAX_SCHEDULE_S`."""
 _GRADER: TypeAdapter[Grader] = TypeAdapter(Grader, config=ConfigDict(title="Grader"))
 
 
@@ -498,11 +542,14 @@ ModelScorer = Callable[[ModelGrader, Samples], list[float]]
 """Scores samples with a model grader's reward model (the engine's, which loads models)."""
 
 
-def score(grader: Grader, samples: Samples, model_scorer: ModelScorer | None = None) -> RewardScores:
+def score(
+    grader: Grader, samples: Samples, model_scorer: ModelScorer | None = None, should_stop: StopCheck | None = None
+) -> RewardScores:
     """Every sample's reward, and the scores of each of the reward's graders. RewardError (RewardServiceError,
-    RewardFunctionError) when one cannot be computed."""
+    RewardFunctionError) when one cannot be computed; RewardStopped when ``should_stop`` asks for a stop while an
+    http grader waits for its service."""
     components: dict[str, list[float]] = {}
-    total = _score(grader, _effective_name(grader), samples, model_scorer, components)
+    total = _score(grader, _effective_name(grader), samples, model_scorer, should_stop, components)
     return RewardScores(total=total, components=components)
 
 
@@ -522,11 +569,14 @@ def _score(
     name: str,
     samples: Samples,
     model_scorer: ModelScorer | None,
+    should_stop: StopCheck | None,
     components: dict[str, list[float]],
 ) -> list[float]:
     """The scores of ``grader`` (called ``name``), recorded in ``components`` with those of its components."""
     if isinstance(grader, MultiGrader):
-        parts = {key: _score(sub, key, samples, model_scorer, components) for key, sub in grader.graders.items()}
+        parts = {
+            key: _score(sub, key, samples, model_scorer, should_stop, components) for key, sub in grader.graders.items()
+        }
         scores = _combine(grader, name, parts, len(samples))
     elif isinstance(grader, ModelGrader):
         scores = _score_model(grader, name, samples, model_scorer)
@@ -534,7 +584,7 @@ def _score(
         pairs = zip(samples.completions, samples.rows, strict=True)
         scores = [_score_text(grader, name, completion, row) for completion, row in pairs]
     elif isinstance(grader, HttpGrader):
-        scores = _score_http(grader, name, samples)
+        scores = _score_http(grader, name, samples, should_stop)
     else:
         scores = _score_python(grader, samples)
     components[name] = scores
@@ -550,8 +600,14 @@ def _number_problem(values: object, n: int) -> str | None:
     if len(values) != n:
         return f"{len(values)} scores for {n} samples"
     for i, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            return f"{value!r:.40} at position {i}, not a finite number"
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return f"a {type(value).__name__} at position {i}, not a finite number"
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:
+            return f"an integer too large for a float at position {i}"
+        if not finite:
+            return f"{value!r} at position {i}, not a finite number"
     return None
 
 
@@ -615,7 +671,7 @@ def _rouge_scorer(rouge_type: str) -> Any:
 # 3. http graders: OpenRLHF's remote reward model protocol
 
 
-def _score_http(grader: HttpGrader, name: str, samples: Samples) -> list[float]:
+def _score_http(grader: HttpGrader, name: str, samples: Samples, should_stop: StopCheck | None) -> list[float]:
     labels = [
         None if grader.label is None else _render(grader.label, name, completion, row)
         for completion, row in zip(samples.completions, samples.rows, strict=True)
@@ -624,56 +680,136 @@ def _score_http(grader: HttpGrader, name: str, samples: Samples) -> list[float]:
         prompt + completion for prompt, completion in zip(samples.prompt_texts, samples.completions, strict=True)
     ]
     rewards: list[float] = []
-    # trust_env=False: no proxy from the environment between the worker and an allow-listed service
-    with httpx.Client(timeout=grader.timeout_s, trust_env=False) as client:
-        for start in range(0, len(samples), grader.batch_size):
-            batch = slice(start, start + grader.batch_size)
-            payload: dict[str, list[Any]] = {
-                "query": queries[batch],
-                "prompts": samples.prompt_texts[batch],
-                "labels": labels[batch],
-            }
-            rewards += _post_rewards(client, grader, payload)
+    for start in range(0, len(samples), grader.batch_size):
+        batch = slice(start, start + grader.batch_size)
+        payload: dict[str, list[Any]] = {
+            "query": queries[batch],
+            "prompts": samples.prompt_texts[batch],
+            "labels": labels[batch],
+        }
+        rewards += _post_rewards(grader, payload, should_stop)
     return rewards
 
 
-def _post_rewards(client: httpx.Client, grader: HttpGrader, payload: dict[str, list[Any]]) -> list[float]:
-    """The service's rewards for one request, retried with exponential backoff."""
+def _post_rewards(grader: HttpGrader, payload: dict[str, list[Any]], should_stop: StopCheck | None) -> list[float]:
+    """The service's rewards for one request, retried with exponential backoff. Messages give the status code,
+    never the answer's text: a job must not read what a service it was let call says."""
     url = _public_url(grader.url)
     attempts = grader.retries + 1
     problem = ""
     for attempt in range(attempts):
         if attempt:
             logger.warning("reward service %s: %s; retry %d of %d", url, problem, attempt, grader.retries)
-            time.sleep(grader.backoff_s * 2 ** (attempt - 1))
-        try:
-            response = client.post(grader.url, json=payload)
-        except httpx.TimeoutException:
-            problem = f"no answer within {grader.timeout_s:g} s"
+            _sleep(grader.backoff_s * 2 ** (attempt - 1), should_stop)
+        answer = _post(grader, payload, should_stop)
+        if isinstance(answer, str):
+            problem = answer
             continue
-        except httpx.TransportError as e:
-            problem = f"{type(e).__name__}: {e}"
+        status, body = answer
+        if status == 429 or status >= 500:
+            problem = _http_status(status)
             continue
-        if response.status_code == 429 or response.status_code >= 500:
-            problem = f"HTTP {response.status_code}"
-            continue
-        if not response.is_success:  # another 4xx, or a redirect (never followed): retrying cannot help
-            raise RewardServiceError(
-                f"reward service {url} refused the request: HTTP {response.status_code} {response.text[:200]!r}"
-            )
-        rewards, problem = _read_rewards(response, len(payload["query"]))
+        if not 200 <= status < 300:  # another 4xx, or a redirect (never followed): retrying cannot help
+            raise RewardServiceError(f"reward service {url} refused the request: {_http_status(status)}")
+        rewards, problem = _read_rewards(body, len(payload["query"]))
         if rewards is not None:
             return rewards
     tries = f"{attempts} attempt" + ("s" if attempts > 1 else "")
     raise RewardServiceError(f"reward service {url} failed after {tries}: {problem}")
 
 
-def _read_rewards(response: httpx.Response, n: int) -> tuple[list[float] | None, str]:
-    """(the rewards of an answer ``{"rewards": [...]}``, "") or (None, what is wrong with it)."""
+def _sleep(seconds: float, should_stop: StopCheck | None) -> None:
+    """Wait ``seconds``, asking ``should_stop`` every :data:`STOP_POLL_S`; RewardStopped when it asks."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        _check_stop(should_stop)
+        time.sleep(min(left, STOP_POLL_S))
+
+
+def _check_stop(should_stop: StopCheck | None) -> None:
+    request = should_stop() if should_stop is not None else None
+    if request is not None:
+        raise RewardStopped(request)
+
+
+def _post(grader: HttpGrader, payload: dict[str, list[Any]], should_stop: StopCheck | None) -> tuple[int, bytes] | str:
+    """One POST of ``payload``: (the status code, the body of a 2xx answer, at most MAX_ANSWER_BYTES + 1 bytes), or
+    what went wrong. ``timeout_s`` bounds the whole request, from connecting to the body's last byte: it runs in a
+    thread that this one stops waiting for past that deadline, or when ``should_stop`` asks (RewardStopped); the
+    thread left behind ends at its next read (each within ``timeout_s``) or at once if it is between reads."""
+    deadline = time.monotonic() + grader.timeout_s
+    abandoned = threading.Event()
+    answers: queue.Queue[tuple[int, bytes] | str | Exception] = queue.Queue(maxsize=1)
+
+    def request() -> None:
+        try:
+            answers.put(_request(grader, payload, deadline, abandoned))
+        except Exception as e:  # not the service's doing: raised again in the caller's thread
+            answers.put(e)
+
+    threading.Thread(target=request, name="reward-request", daemon=True).start()
     try:
-        answer = response.json()
+        while (left := deadline - time.monotonic()) > 0:
+            _check_stop(should_stop)
+            try:
+                answer = answers.get(timeout=min(left, STOP_POLL_S))
+            except queue.Empty:
+                continue
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        return f"no answer within {grader.timeout_s:g} s"
+    finally:
+        abandoned.set()
+
+
+def _request(
+    grader: HttpGrader, payload: dict[str, list[Any]], deadline: float, abandoned: threading.Event
+) -> tuple[int, bytes] | str:
+    """:func:`_post`'s request, in its thread: the body streamed, and dropped once over MAX_ANSWER_BYTES, past
+    the deadline or when abandoned."""
+    # trust_env=False: no proxy from the environment between the worker and an allow-listed service.
+    # identity: the cap counts the bytes as they come, with no decompression in between.
+    headers = {"Accept-Encoding": "identity"}
+    try:
+        with (
+            httpx.Client(timeout=grader.timeout_s, trust_env=False) as client,
+            client.stream("POST", grader.url, json=payload, headers=headers) as response,
+        ):
+            if not response.is_success:
+                return response.status_code, b""
+            if response.headers.get("Content-Encoding", "identity").lower() != "identity":
+                return "the answer is compressed, though identity was asked for"
+            body = bytearray()
+            for chunk in response.iter_raw():
+                body += chunk
+                if len(body) > MAX_ANSWER_BYTES or abandoned.is_set() or time.monotonic() > deadline:
+                    break
+            return response.status_code, bytes(body)
+    except httpx.TimeoutException:
+        return f"no answer within {grader.timeout_s:g} s"
+    except httpx.NetworkError as e:  # the system's reason (refused, reset, unreachable): nothing of the service's
+        return f"{type(e).__name__}: {e}"
+    except httpx.HTTPError as e:  # e.g. not HTTP at all: h11's message would quote what the service sent
+        return f"{type(e).__name__} (not an HTTP answer)" if isinstance(e, httpx.ProtocolError) else type(e).__name__
+
+
+def _http_status(code: int) -> str:
+    """``HTTP 503 Service Unavailable``: the code and its standard reason (not the one the service sent)."""
+    try:
+        return f"HTTP {code} {http.HTTPStatus(code).phrase}"
     except ValueError:
-        return None, f"the answer is not JSON ({response.text[:80]!r})"
+        return f"HTTP {code}"
+
+
+def _read_rewards(body: bytes, n: int) -> tuple[list[float] | None, str]:
+    """(the rewards of an answer ``{"rewards": [...]}``, "") or (None, what is wrong with it)."""
+    if len(body) > MAX_ANSWER_BYTES:
+        return None, f"the answer is over {MAX_ANSWER_BYTES:,} bytes"
+    try:
+        answer = json.loads(body)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, too long a number, nested too deep
+        return None, "the answer is not JSON"
     if not isinstance(answer, dict) or not isinstance(answer.get("rewards"), list):
         return None, 'the answer has no "rewards" list'
     problem = _number_problem(answer["rewards"], n)

@@ -30,7 +30,8 @@ class NonFiniteLossError(RuntimeError):
 class JobResult:
     status: Literal["succeeded", "paused", "cancelled"]
     step: int
-    """Last completed optimizer step (of a halted job: the step it halted at, reported but not checkpointed)."""
+    """Last completed optimizer step (of a halted job: the step it halted at, reported but not checkpointed; of a
+    job stopped inside a reward call: its newest checkpoint's, 0 without one)."""
     checkpoint: Path | None
     """The checkpoint written last, if any (of a halted job: the newest one, from before the halt)."""
     metrics: dict[str, float] = field(default_factory=dict)

@@ -135,9 +135,10 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         value_model = run.load_trained(
             "value", spec.model, lambda ref: scalar_model(ref, trained_head=False), "SEQ_CLS"
         )
-    eval_reward = RewardFunction(spec.eval_reward, tokenizer, device, cfg.dtype) if spec.eval_reward else None
+    stop = callbacks.should_stop  # asked while an http grader waits for its service
+    eval_reward = RewardFunction(spec.eval_reward, tokenizer, device, cfg.dtype, stop) if spec.eval_reward else None
     if reward_ref is None:
-        grader = RewardFunction(spec.reward_grader, tokenizer, device, cfg.dtype)
+        grader = RewardFunction(spec.reward_grader, tokenizer, device, cfg.dtype, stop)
         scorer = grader_scorer(grader, tokenizer, stop_token_id, recorded)
     elif not shared_vocabulary:
         assert reward_tokenizer is not None

@@ -9,7 +9,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.data import render
 from engine.distributed import Ranks
-from engine.graders import Grader, ModelGrader, RewardScores, Samples, iter_graders, reward_metrics, score
+from engine.graders import (
+    Grader,
+    ModelGrader,
+    RewardScores,
+    Samples,
+    StopCheck,
+    iter_graders,
+    reward_metrics,
+    score,
+)
 from engine.models import frozen, load_scalar_model, load_tokenizer, prepare
 from engine.reward import score_texts
 from engine.rollout import Scorer, decode_responses
@@ -17,13 +26,20 @@ from engine.rollout import Scorer, decode_responses
 
 class RewardFunction:
     """``reward(samples, stopped)`` → the grader's :class:`RewardScores` of ``samples`` (``stopped``: whether
-    each completion ended with EOS, which a reward model sees as its training pairs did)."""
+    each completion ended with EOS, which a reward model sees as its training pairs did). ``should_stop``: the
+    job's callbacks' hook, asked while an http grader waits (RewardStopped when it answers)."""
 
     def __init__(
-        self, grader: Grader, policy_tokenizer: PreTrainedTokenizerBase, device: torch.device, dtype: str
+        self,
+        grader: Grader,
+        policy_tokenizer: PreTrainedTokenizerBase,
+        device: torch.device,
+        dtype: str,
+        should_stop: StopCheck | None = None,
     ) -> None:
         self.grader = grader
         self.policy_tokenizer = policy_tokenizer
+        self.should_stop = should_stop
         self.models: dict[str, tuple[PreTrainedModel, PreTrainedTokenizerBase]] = {}
         for _, leaf in iter_graders(grader):
             if isinstance(leaf, ModelGrader) and leaf.model not in self.models:
@@ -38,7 +54,7 @@ class RewardFunction:
                                  self.policy_tokenizer)  # fmt: skip
             return [float(s) for s in scores.float().tolist()]
 
-        return score(self.grader, samples, model_scores)
+        return score(self.grader, samples, model_scores, self.should_stop)
 
 
 def samples_of(tokenizer: PreTrainedTokenizerBase, rows: Sequence[dict[str, Any]], completions: list[str]) -> Samples:

@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 
 from engine.callbacks import Callbacks
+from engine.checkpoint import latest_checkpoint
 from engine.config import JOB_TYPES, JobSpec
+from engine.graders import RewardStopped
 from engine.loop import JobResult
 from engine.models import pick_device
 
@@ -30,5 +32,23 @@ def run_job(
     hub ids, local paths or job folders. ``job:<id>`` and ``file-<id>`` are resolved by the service.
     Whether a run already in ``out_dir`` is of the same spec is checked by the local command line
     (``engine.cli.train``), not here: on the server every job has a folder of its own.
+
+    A stop requested while the reward waits for a service ends the job there, paused or cancelled, without
+    checkpointing the step it was in: its result names the newest checkpoint, where a resume starts from.
     """
-    return trainer(spec.type)(spec, Path(out_dir), callbacks or Callbacks(), device or pick_device())
+    callbacks = callbacks or Callbacks()
+    try:
+        return trainer(spec.type)(spec, Path(out_dir), callbacks, device or pick_device())
+    except RewardStopped as e:
+        return _stopped_in_reward(e, Path(out_dir), callbacks)
+
+
+def _stopped_in_reward(stop: RewardStopped, out_dir: Path, callbacks: Callbacks) -> JobResult:
+    """The result of a job stopped inside a reward call: at its newest checkpoint, that step its result's."""
+    newest = latest_checkpoint(out_dir)
+    step, checkpoint = newest if newest else (0, None)
+    if stop.request == "pause":
+        shown = f"step {step}" if newest else "none (a resume starts afresh)"
+        message = "paused within a step, while the reward waited for a service; a resume starts from the newest "
+        callbacks.on_event("info", f"{message}checkpoint: {shown}", {"checkpoint_step": step if newest else None})
+    return JobResult("paused" if stop.request == "pause" else "cancelled", step, checkpoint)

@@ -101,7 +101,8 @@ def _serve(
     callbacks: Callbacks,
     num_processes: int,
 ) -> JobResult:
-    """Answer the ranks until torchrun exits; then return the result or raise what went wrong."""
+    """Answer the ranks until torchrun exits, or until rank 0 reports a stop (the caller then stops the others);
+    then return the result or raise what went wrong."""
     accepted: queue.Queue[Connection] = queue.Queue()
     threading.Thread(target=_accept, args=(listener, accepted, num_processes), daemon=True).start()
     connections: list[Connection] = []
@@ -109,7 +110,8 @@ def _serve(
     failure: RankFailure | None = None
     callback_error: BaseException | None = None
     exited_at: float | None = None
-    while True:
+    stopped = False
+    while not stopped:
         while not accepted.empty():
             connections.append(accepted.get())
         if not connections:
@@ -134,6 +136,10 @@ def _serve(
             elif kind == "result":
                 status, step, checkpoint, metrics = body
                 result = JobResult(status, step, Path(checkpoint) if checkpoint else None, metrics)
+                # Stopped on request, its checkpoint (if any) written: the other ranks may be waiting for rank 0
+                # in a collective (a stop reaches rank 0 alone inside a reward call), and what they would report
+                # next is the echo of its leaving.
+                stopped = status != "succeeded"
             elif kind == "failed":
                 failure = failure or RankFailure(*body)  # the first: later ones are usually its echo
             else:
@@ -148,7 +154,7 @@ def _serve(
         conn.close()
     if callback_error is not None:
         raise callback_error
-    if failure is not None:
+    if failure is not None and not stopped:
         raise failure
     if result is None:
         raise RuntimeError(f"the job's {num_processes} processes exited with code {process.returncode}, no result")

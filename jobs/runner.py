@@ -70,6 +70,9 @@ class RetryPolicy:
 
 
 DB_RETRY = RetryPolicy()
+STATUS_MAX_AGE_S = 1.0
+""":meth:`DbCallbacks.should_stop` reads the job's status again when what it knows is older than this: a cancel
+or pause reaches a job waiting inside a step (an http grader calling its service) within about this long."""
 
 
 def is_transient(error: BaseException) -> bool:
@@ -148,6 +151,8 @@ class DbCallbacks(Callbacks):
         self.out_dir = out_dir
         self.status: str | None = "running"
         """The job's status at the last heartbeat (the API asks for a stop by changing it)."""
+        self.status_at = time.monotonic()
+        """When ``status`` was read, or last tried to be (``time.monotonic()``)."""
         self.lease_lost = threading.Event()
         self._pending: list[Write] = []
         """Writes not committed yet, oldest first."""
@@ -196,6 +201,9 @@ class DbCallbacks(Callbacks):
         )
 
     def should_stop(self) -> StopRequest | None:
+        if time.monotonic() - self.status_at > STATUS_MAX_AGE_S:
+            self.status_at = time.monotonic()  # a read that fails is tried again a second later, not at every ask
+            self.renew()
         self._check_lease()
         if self.status == "cancelling":
             return "cancel"
@@ -222,7 +230,7 @@ class DbCallbacks(Callbacks):
             log.warning("job %s: lost its lease", self.job_id)
             self.lease_lost.set()
         else:
-            self.status = status
+            self.status, self.status_at = status, time.monotonic()
 
     def finish(self, outcomes: list[Outcome], event: tuple[str, str, dict[str, Any]] | None = None) -> str:
         """Commit what is pending, then the first of ``outcomes`` whose guard matches, and an optional
@@ -265,7 +273,7 @@ class DbCallbacks(Callbacks):
         with self._lock:
             self._pending.append(write)
             try:
-                self.status = in_transaction(self.url, self._flush)
+                self.status, self.status_at = in_transaction(self.url, self._flush), time.monotonic()
             except LeaseLostError:
                 self._pending.clear()
                 self.lease_lost.set()

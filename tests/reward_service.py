@@ -9,17 +9,18 @@ from typing import Any
 
 class RuleService:
     """A reward service on loopback: 1.0 where the completion (the query less its prompt) is the label. After
-    ``fail_after`` requests it answers 503 to every later one."""
+    ``fail_after`` requests it answers 503 to every later one (``fail_after`` may be changed, None: never)."""
 
     def __init__(self, fail_after: int | None = None) -> None:
         self.requests = 0
+        self.fail_after = fail_after
         service = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 service.requests += 1
-                if fail_after is not None and service.requests > fail_after:
+                if service.fail_after is not None and service.requests > service.fail_after:
                     self.send_response(503)
                     self.end_headers()
                     return

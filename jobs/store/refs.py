@@ -73,7 +73,7 @@ def job_dir(artifacts: Path, job_id: str) -> Path:
 
 
 def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], artifacts: Path,
-                 model_root: Path | None, hub_downloads: bool = False, reward_urls: Sequence[str] = ("loopback",),
+                 model_root: Path | None, hub_downloads: bool = False, reward_urls: Sequence[str] = (),
                  reward_functions: Sequence[str] = (), pending: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
     """A copy of ``spec`` with every service reference replaced by a path; raises SpecReferenceError.
     ``model_root``, ``hub_downloads``, ``reward_urls`` and ``reward_functions`` are the settings of the same

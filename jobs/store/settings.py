@@ -43,10 +43,11 @@ class Settings(BaseSettings):
     max_processes: int = Field(default=8, ge=1)
     """The most processes one job may train in (``resources.num_processes``), at most the GPUs of the largest
     train worker: a spec asking for more is refused at submit (``too_many_processes``)."""
-    reward_urls: list[str] = ["loopback"]
+    reward_urls: list[str] = []
     """The reward services an ``http`` grader may call: URL prefixes such as ``https://rewards.internal/``, or
-    ``loopback`` (http or https to 127.0.0.0/8, ::1 or localhost, any port). A spec naming another is refused at
-    submit (``reward_not_allowed``), and a worker checks again before it runs a job."""
+    ``loopback`` (http or https to 127.0.0.0/8, ::1 or localhost, any port: every service of the workers' own
+    machines); none by default. A spec naming another is refused at submit (``reward_not_allowed``), and a worker
+    checks again before it runs a job."""
     reward_functions: list[str] = []
     """The ``module:function`` reward functions a ``python`` grader may name (importable on the workers); none by
     default. Others are refused at submit (``reward_not_allowed``). The local ``rlhf train`` allows any."""

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,12 +17,14 @@ import pytest
 from pydantic import ValidationError
 
 from engine import graders
+from engine.callbacks import StopRequest
 from engine.graders import (
     ModelGrader,
     RewardError,
     RewardFunctionError,
     RewardScores,
     RewardServiceError,
+    RewardStopped,
     Samples,
     check_allowed,
     iter_graders,
@@ -556,11 +558,15 @@ def test_function_allow_list_walks_nested_multis() -> None:
 
 @dataclass
 class RewardServer:
-    """A reward service that answers each query with its length, or with the scripted ``answers`` first."""
+    """A reward service that answers each query with its length, or with the scripted ``answers`` first, or
+    as ``handler`` does when given one (it writes the whole answer itself)."""
 
     url: str = ""
     requests: list[dict[str, Any]] = field(default_factory=list)
     answers: list[tuple[int, bytes]] = field(default_factory=list)
+    handler: Callable[[http.server.BaseHTTPRequestHandler], None] | None = None
+    closing: threading.Event = field(default_factory=threading.Event)
+    """Set as the fixture ends: handlers that wait return."""
 
 
 @pytest.fixture
@@ -571,6 +577,9 @@ def server() -> Iterator[RewardServer]:
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             state.requests.append(body)
+            if state.handler is not None:
+                state.handler(self)
+                return
             if state.answers:
                 status, payload = state.answers.pop(0)
             else:
@@ -591,6 +600,7 @@ def server() -> Iterator[RewardServer]:
     try:
         yield state
     finally:
+        state.closing.set()
         httpd.shutdown()
         httpd.server_close()
         thread.join()
@@ -620,7 +630,7 @@ def test_http_grader_batches(server: RewardServer) -> None:
 
 def test_http_grader_retries_with_doubling_backoff(server: RewardServer, monkeypatch: pytest.MonkeyPatch) -> None:
     waits: list[float] = []
-    monkeypatch.setattr(graders.time, "sleep", waits.append)
+    monkeypatch.setattr(graders, "_sleep", lambda seconds, should_stop: waits.append(seconds))
     server.answers = [(500, b"oops"), (429, b"slow down")]
     scores = grade(http_grader(server.url, retries=3), ["abc"])
     assert scores.total == [5.0]
@@ -635,8 +645,11 @@ def test_http_grader_retries_with_doubling_backoff(server: RewardServer, monkeyp
         (b'{"score": [1, 2]}', 'the answer has no "rewards" list'),
         (b'{"rewards": [1.0]}', "the rewards are 1 scores for 2 samples"),
         (b'{"rewards": [NaN, 1.0]}', "the rewards are nan at position 0"),
-        (b'{"rewards": [1.0, "2"]}', "the rewards are '2' at position 1"),
-        (b'{"rewards": [1.0, true]}', "the rewards are True at position 1"),
+        (b'{"rewards": [1.0, "2"]}', "the rewards are a str at position 1"),
+        (b'{"rewards": [1.0, true]}', "the rewards are a bool at position 1"),
+        (b'{"rewards": [1' + b"0" * 400 + b", 1]}", "the rewards are an integer too large for a float at position 0"),
+        (b'{"rewards": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "the answer is not JSON"),  # RecursionError
+        (b"\xff\xfe{", "the answer is not JSON"),
     ],
 )
 def test_http_grader_retries_malformed_answers_then_fails(server: RewardServer, answer: bytes, problem: str) -> None:
@@ -649,9 +662,39 @@ def test_http_grader_retries_malformed_answers_then_fails(server: RewardServer, 
 
 def test_http_grader_fails_at_once_on_a_client_error(server: RewardServer) -> None:
     server.answers = [(400, b"bad labels")]
-    with pytest.raises(RewardServiceError, match=r"refused the request: HTTP 400 'bad labels'"):
+    with pytest.raises(RewardServiceError, match=r"refused the request: HTTP 400 Bad Request$"):
         grade(http_grader(server.url, retries=3), ["x"])
     assert len(server.requests) == 1
+
+
+def test_http_grader_messages_never_quote_the_service(server: RewardServer) -> None:
+    # a job may reach only allowed services, and must not read their answers through its error message
+    for status, answer in ((403, b"SECRET admin page"), (200, b"SECRET not json"), (200, b'{"rewards": ["SECRET"]}')):
+        server.answers = [(status, answer)]
+        with pytest.raises(RewardServiceError) as error:
+            grade(http_grader(server.url, retries=0), ["x"])
+        assert "SECRET" not in str(error.value)
+    with socket.socket() as listener:  # not HTTP at all: h11 quotes the status line it could not parse
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+
+        def answer_garbage() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(10)
+                conn.recv(65536)  # the request, read so that closing sends no reset
+                conn.sendall(b"-ERR SECRET of another protocol\r\n")
+                conn.shutdown(socket.SHUT_WR)
+                while conn.recv(65536):  # until the grader hangs up
+                    pass
+
+        thread = threading.Thread(target=answer_garbage, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/score"
+        with pytest.raises(RewardServiceError, match="RemoteProtocolError") as error:
+            grade(http_grader(url, retries=0), ["x"])
+        thread.join()
+    assert "SECRET" not in str(error.value)
 
 
 def test_http_grader_messages_hide_credentials_and_query(server: RewardServer) -> None:
@@ -659,7 +702,7 @@ def test_http_grader_messages_hide_credentials_and_query(server: RewardServer) -
     url = server.url.replace("http://", "http://user:secret@") + "?token=abc"
     with pytest.raises(RewardServiceError) as error:
         grade(http_grader(url, retries=0), ["x"])
-    assert str(error.value) == f"reward service {server.url} failed after 1 attempt: HTTP 503"
+    assert str(error.value) == f"reward service {server.url} failed after 1 attempt: HTTP 503 Service Unavailable"
 
 
 def test_http_grader_on_a_dead_port() -> None:
@@ -675,3 +718,110 @@ def test_http_grader_on_a_dead_port() -> None:
 def test_http_grader_with_no_samples_sends_nothing(server: RewardServer) -> None:
     assert grade(http_grader(server.url), []).total == []
     assert server.requests == []
+
+
+def test_timeout_s_bounds_the_whole_request_not_each_read(server: RewardServer) -> None:
+    answer = json.dumps({"rewards": [1.0]}).encode()
+
+    def drip(handler: http.server.BaseHTTPRequestHandler) -> None:  # one byte every 0.2 s: 3.6 s in all
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(answer)))
+        handler.end_headers()
+        for byte in answer:
+            if server.closing.wait(0.2):
+                return
+            try:
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+            except OSError:  # the grader hung up
+                return
+
+    server.handler = drip
+    with pytest.raises(RewardServiceError, match=r"failed after 1 attempt: no answer within 0\.5 s$"):
+        grade(http_grader(server.url, timeout_s=0.5, retries=0), ["x"])
+
+
+def test_an_answer_over_the_cap_is_not_read_to_its_end(server: RewardServer) -> None:
+    chunk, chunks = b"0" * 65536, 4 * graders.MAX_ANSWER_BYTES // 65536
+    sent: list[int] = []
+
+    def flood(handler: http.server.BaseHTTPRequestHandler) -> None:  # valid JSON, 4 times the cap
+        head, tail = b'{"rewards": [1.0], "padding": "', b'"}'
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(head) + chunks * len(chunk) + len(tail)))
+        handler.end_headers()
+        try:
+            handler.wfile.write(head)
+            for _ in range(chunks):
+                handler.wfile.write(chunk)
+                sent.append(len(chunk))
+            handler.wfile.write(tail)
+        except OSError:  # the grader hung up
+            pass
+
+    server.handler = flood
+    cap = f"{graders.MAX_ANSWER_BYTES:,}"
+    with pytest.raises(RewardServiceError, match=rf"failed after 1 attempt: the answer is over {cap} bytes$"):
+        grade(http_grader(server.url, retries=0), ["x"])
+    assert sum(sent) < chunks * len(chunk)  # the rest was never read
+
+
+class Asks:
+    """A should_stop hook answering ``answers`` in turn, then the last one for ever; it counts its calls."""
+
+    def __init__(self, *answers: StopRequest | None) -> None:
+        self.answers = answers
+        self.calls = 0
+
+    def __call__(self) -> StopRequest | None:
+        self.calls += 1
+        return self.answers[min(self.calls, len(self.answers)) - 1]
+
+
+def test_a_stop_reaches_an_http_grader_in_its_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    slept: list[float] = []
+    real_sleep = graders.time.sleep
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(graders.time, "sleep", sleep)
+    grader = parse_grader(http_grader(f"http://127.0.0.1:{port}/score", retries=3, backoff_s=60))
+    should_stop = Asks(None, None, None, None, "cancel")
+    with pytest.raises(RewardStopped) as stopped:
+        score(grader, make_samples(["x"]), should_stop=should_stop)
+    assert stopped.value.request == "cancel"
+    assert should_stop.calls == 5
+    assert slept and max(slept) <= graders.STOP_POLL_S  # the 60 s backoff, in slices that ask
+
+
+def test_a_stop_reaches_an_http_grader_waiting_for_its_answer(server: RewardServer) -> None:
+    def never_answer(handler: http.server.BaseHTTPRequestHandler) -> None:
+        server.closing.wait(60)
+
+    server.handler = never_answer
+    grader = parse_grader(http_grader(server.url, timeout_s=600, retries=0))
+    with pytest.raises(RewardStopped) as stopped:
+        score(grader, make_samples(["x"]), should_stop=Asks(None, None, "pause"))
+    assert stopped.value.request == "pause"
+    assert len(server.requests) == 1
+
+
+def test_the_worst_case_of_a_rewards_services_is_bounded() -> None:
+    bound = graders.MAX_SCHEDULE_S
+    two_years = http_grader("http://127.0.0.1:9/", timeout_s=600, retries=20, backoff_s=60)
+    with pytest.raises(ValidationError, match="allows 62,927,100 s per request, over 3,600 s"):
+        parse_grader(two_years)
+    half = {"timeout_s": 500, "retries": 2, "backoff_s": 0}  # 1,500 s each
+    one = parse_grader(http_grader("http://a/", **half))
+    assert isinstance(one, graders.HttpGrader) and graders.schedule_s(one) == 1500 < bound
+    services = {name: http_grader(f"http://{name}/", **half) for name in ("a", "b")}
+    pair = {"type": "multi", "graders": services, "weights": {"a": 1, "b": 1}}
+    parse_grader(pair)
+    trio = {**pair, "graders": {**services, "c": http_grader("http://c/", **half)}}
+    with pytest.raises(ValidationError, match=r"the 3 http graders: .* allows 4,500 s per request, over 3,600 s"):
+        parse_grader(trio)

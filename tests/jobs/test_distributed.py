@@ -1,6 +1,7 @@
 """One job in two processes (torchrun, gloo on the CPU) against the same job in one: SFT, the reward model and
 DPO train to the same losses and weights with the same global batch, a pause and resume in two processes lands on
-the same weights, and a rank's failure or a callback's error ends the job as it would in one process."""
+the same weights, a rank's failure or a callback's error ends the job as it would in one process, and a cancel
+reaching rank 0 inside a reward call ends every rank."""
 
 from pathlib import Path
 from typing import Any
@@ -9,10 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from engine.callbacks import StopRequest
 from engine.config import JobSpec
 from engine.run import run_job
 from jobs.distributed import RankFailure, run_distributed
 from tests.recorder import Recorder
+from tests.reward_service import RuleService
 
 TIMING = ("time/", "throughput/")
 GLOBAL_BATCH = {"max_steps": 4, "batch_size": 8, "gradient_accumulation_steps": 2}
@@ -142,6 +145,42 @@ def test_grpo_in_two_processes_scores_every_group_and_keeps_the_ranks_in_step(tm
     assert list(recorder.samples) == [1] and len(recorder.samples[1]) == 16
     totals = [sample["rewards"]["total"] for sample in recorder.samples[1]]
     assert sum(totals) / 16 == pytest.approx(recorder.metrics[1]["reward/mean"])
+
+
+def test_a_cancel_inside_a_reward_call_ends_every_rank(tmp_path: Path) -> None:
+    """Rank 0 alone sees the stop, waiting out its service's backoff; rank 1, in its own backoff or in a
+    collective waiting for rank 0, is stopped with it, and the job ends cancelled rather than failed."""
+    service = RuleService(fail_after=4)  # each rank asks once a step: steps 1 and 2 are scored, step 3 is not
+
+    class CancelInBackoff(Recorder):
+        def should_stop(self) -> StopRequest | None:
+            return "cancel" if service.requests > 4 else None
+
+    reward = {"type": "http", "url": service.url, "label": "{{item.answer}}", "retries": 2, "backoff_s": 60}
+    grpo = JobSpec.model_validate(
+        {
+            "type": "grpo",
+            "model": "builtin:tiny",
+            "dataset": "builtin:digits-prompts",
+            "reward": reward,
+            "hyperparameters": {
+                "total_steps": 4,
+                "batch_size": 4,
+                "group_size": 2,
+                "mini_batch_size": 8,
+                "response_length": 4,
+            },
+            "checkpoint_every": 2,
+            "resources": {"num_processes": 2},
+        }
+    )
+    recorder = CancelInBackoff()
+    try:
+        result = run_distributed(grpo, tmp_path / "job", recorder, 2)
+    finally:
+        service.close()
+    assert (result.status, result.step, recorder.checkpoint_steps()) == ("cancelled", 2, [2])
+    assert sorted(recorder.metrics) == [1, 2]
 
 
 def test_a_failing_rank_fails_the_job_with_its_error_code(tmp_path: Path) -> None:

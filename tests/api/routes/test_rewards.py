@@ -32,11 +32,21 @@ def assert_refused(response: Any, code: str, param: str, *words: str) -> None:
         assert word in error["message"], error["message"]
 
 
-def test_a_rule_and_a_loopback_service_are_accepted_by_default(client: TestClient, calls: Calls) -> None:
-    for reward in (RULE, http("http://127.0.0.1:8123/score"), http("http://localhost/score")):
-        response = submit(client, reward=reward, eval_reward=RULE)
-        assert response.status_code == 201, response.text
-        assert response.json()["spec"]["reward"]["type"] == reward["type"]
+def test_no_service_is_allowed_by_default_and_loopback_only_when_the_operator_says_so(
+    client: TestClient, settings: Settings, project: Project, calls: Calls
+) -> None:
+    assert settings.reward_urls == []
+    loopback = (http("http://127.0.0.1:8123/score"), http("http://localhost/score"))
+    for reward in loopback:
+        assert_refused(submit(client, reward=reward), "reward_not_allowed", "reward", "not allowed (none)")
+    assert submit(client, reward=RULE).status_code == 201
+    operator = settings.model_copy(update={"reward_urls": ["loopback"]})
+    app = create_app(operator, enqueue=calls.enqueue, recovery_interval=None)
+    with TestClient(app, headers=project.headers) as operator_client:
+        for reward in loopback:
+            response = submit(operator_client, reward=reward, eval_reward=RULE)
+            assert response.status_code == 201, response.text
+            assert response.json()["spec"]["reward"]["type"] == "http"
     assert len(calls.enqueued) == 3
 
 
@@ -94,6 +104,23 @@ def test_model_graders_name_reward_model_jobs(client: TestClient, project: Proje
         ({"reward": {**RULE, "input": "{{ sample.text }}"}}, "reward", "sample.output_text"),
         ({"reward": {"type": "multi", "graders": {"a": RULE}, "calculate_output": "__import__('os')"}}, "reward", ""),
         ({"reward": {"type": "http", "url": "ftp://127.0.0.1/"}}, "reward", ""),
+        # a closed port, retried for about two years per request
+        (
+            {"reward": {**http("http://127.0.0.1:9/"), "retries": 20, "backoff_s": 60, "timeout_s": 600}},
+            "reward",
+            "allows 62,927,100 s per request, over 3,600 s",
+        ),
+        (
+            {
+                "reward": {
+                    "type": "multi",
+                    "graders": {k: {**http(f"http://{k}/"), "timeout_s": 600} for k in "abc"},
+                    "weights": {"a": 1},
+                }
+            },
+            "reward",
+            "the 3 http graders",
+        ),
     ],
 )
 def test_bad_rewards_are_refused_naming_the_field(
