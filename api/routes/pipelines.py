@@ -9,7 +9,7 @@ from contextlib import suppress
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -17,10 +17,9 @@ from api.deps import CurrentProject, Enqueue, EnqueueDep, SessionDep, SettingsDe
 from api.errors import ApiError, ErrorResponse, error_responses
 from api.routes.jobs import check_pending, send_created, validated_spec
 from api.schemas import JobPublic
-from engine.config import JobSpec
 from engine.graders import replace_models
 from jobs.store import crud
-from jobs.store.models import Job
+from jobs.store.models import Job, Project
 from jobs.store.settings import Settings
 
 router = APIRouter(prefix="/pipelines", tags=["jobs"])
@@ -89,7 +88,7 @@ def create_pipeline(
         earlier = crud.pipeline_jobs(session, project_id=project.id, pipeline_key=idempotency_key)
         if earlier:
             response.status_code = 200
-            return _replayed(session, settings, enqueue, body, earlier)
+            return _replayed(session, settings, project, enqueue, body, earlier)
     check_pending(session, settings, project, len(body.stages))
     jobs: dict[str, Job] = {}
     try:
@@ -112,7 +111,7 @@ def create_pipeline(
         session.rollback()
         response.status_code = 200
         earlier = crud.pipeline_jobs(session, project_id=project.id, pipeline_key=idempotency_key)
-        return _replayed(session, settings, enqueue, body, earlier)
+        return _replayed(session, settings, project, enqueue, body, earlier)
     session.commit()
     send_created(session, settings, enqueue, list(jobs.values()))
     for job in jobs.values():
@@ -121,13 +120,19 @@ def create_pipeline(
 
 
 def _replayed(
-    session: Session, settings: Settings, enqueue: Enqueue, body: PipelineCreate, earlier: dict[str, Job]
+    session: Session,
+    settings: Settings,
+    project: Project,
+    enqueue: Enqueue,
+    body: PipelineCreate,
+    earlier: dict[str, Job],
 ) -> PipelinePublic:
     """The pipeline an earlier request with the same key created, if ``body`` asks for the same stages (names, order
-    and specs, defaults filled in); 409 if not. A stage whose message never went out is sent now."""
+    and specs as stored: defaults and auto values filled in); 409 if not. A stage whose message never went out is
+    sent now."""
     ids = {name: job.id for name, job in earlier.items()}
     same = list(body.stages) == list(earlier) and all(
-        _stored_form(_with_stage_refs(stage_body, ids, name)) == earlier[name].spec
+        _stored_form(session, settings, project, _with_stage_refs(stage_body, ids, name)) == earlier[name].spec
         for name, stage_body in body.stages.items()
     )
     if not same:
@@ -140,11 +145,11 @@ def _replayed(
     return PipelinePublic(stages={name: JobPublic.of(job) for name, job in earlier.items()})
 
 
-def _stored_form(body: dict[str, Any]) -> dict[str, Any] | None:
-    """A stage's spec as it is stored (every default filled in), or None when it is not a valid spec."""
+def _stored_form(session: Session, settings: Settings, project: Project, body: dict[str, Any]) -> dict[str, Any] | None:
+    """A stage's spec as it is stored (every default and auto value filled in), or None when it is refused now."""
     try:
-        return JobSpec.model_validate(body).model_dump(mode="json")
-    except ValidationError:
+        return validated_spec(session, settings, project, body)[0]
+    except ApiError:
         return None
 
 
