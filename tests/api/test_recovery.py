@@ -7,7 +7,6 @@ from datetime import timedelta
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from engine.config import JobSpec
 from jobs.recovery import recover_once, resend_once
 from jobs.store import crud
 from jobs.store.models import utcnow
@@ -98,10 +97,12 @@ def test_the_app_sends_at_start_what_a_stopped_api_left_unsent(
 def test_an_idempotent_retry_sends_a_job_its_first_request_did_not(
     settings: Settings, project: Project, db: Db, calls: Calls, client: TestClient
 ) -> None:
-    spec = JobSpec.model_validate(SFT_SPEC).model_dump(mode="json")
-    with db.session() as session:  # the first request committed the job, and stopped
-        lost, _ = crud.create_job(session, project_id=project.id, spec=spec, idempotency_key="retry-me")
-        lost_id = lost.id
+    first = client.post("/v1/jobs", json=SFT_SPEC, headers={"Idempotency-Key": "retry-me"})
+    lost_id = first.json()["id"]
+    with db.session() as session:  # as if the first request had stopped after its commit, before the send
+        crud.unmark_sent(session, job_ids=[lost_id])
+        session.commit()
+    calls.enqueued.clear()
     again = client.post("/v1/jobs", json=SFT_SPEC, headers={"Idempotency-Key": "retry-me"})
     assert (again.status_code, again.json()["id"]) == (200, lost_id)
     assert calls.enqueued == [lost_id]
