@@ -100,10 +100,10 @@ def build_end_of_turn_model(family: Family, folder: Path, generation_eos: tuple[
         tie_word_embeddings=False,
     )
     model = AutoModelForCausalLM.from_config(config)
-    states = torch.linalg.qr(
-        torch.randn(config.hidden_size, len(answer) + 1, generator=torch.Generator().manual_seed(0))
-    )[0].T
-    # (A + 1, H) orthonormal: states[0] is every token's embedding but the answer's; states[i + 1] the i-th answer token's
+    # (A + 1, H) orthonormal rows: states[0] is the embedding of every token but the answer's, states[i + 1] the
+    # embedding of the answer's i-th token
+    directions = torch.randn(config.hidden_size, len(answer) + 1, generator=torch.Generator().manual_seed(0))
+    states = torch.linalg.qr(directions)[0].T
     scale = LOGIT / config.hidden_size**0.5  # the final RMSNorm scales a unit vector to norm sqrt(H)
     with torch.no_grad():
         for param in model.model.layers.parameters():
