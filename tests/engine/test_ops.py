@@ -159,9 +159,7 @@ def test_first_true_index():
 PAD, STOP = 0, 9
 
 
-def _naive_truncate(
-    rows: list[list[int]], stop: int | set[int]
-) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+def _naive_truncate(rows: list[list[int]], stop: int | set[int]) -> tuple[list[list[int]], list[list[int]], list[bool]]:
     stops = stop if isinstance(stop, set) else {stop}
     out, masks, stopped = [], [], []
     for row in rows:
