@@ -45,6 +45,8 @@ def _clean_text(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_clean_text)]
 """A free-form string of a spec (a label, a metadata entry)."""
+StopToken = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_clean_text)]
+"""PPO's and GRPO's ``stop_token``: ``"eos"`` or one token of the model's vocabulary (checked when the job starts)."""
 
 LORA_MAX_MODULES = 64
 _MODULE_NAME = re.compile(r"^[A-Za-z0-9_.]{1,200}$")
@@ -270,8 +272,11 @@ class PPOConfig(TrainConfig):
     """Sampling temperature; logprobs in training use the same temperature."""
     top_k: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     """Sample from the k most likely tokens only (0: the whole vocabulary)."""
-    stop_token: Literal["eos"] | None = "eos"
-    """Truncate each response after its first EOS token (None: never truncate)."""
+    stop_token: StopToken | None = "eos"
+    """Truncate each response after its first stop token. ``"eos"``: any of the model's end tokens, where
+    transformers' ``generate`` stops (its generation config's ``eos_token_id``, e.g. Llama 3's ``<|eot_id|>``, and
+    the tokenizer's EOS); a token of the vocabulary (e.g. ``"<|im_end|>"``): that token alone, checked when the job
+    starts; None: never truncate."""
     missing_eos_penalty: Annotated[float, Field(ge=0, le=1000)] = 1.0
     """Subtracted from the score of a response that did not stop (only with ``stop_token``)."""
     normalize_scores: bool = False
@@ -415,8 +420,11 @@ class GRPOConfig(TrainConfig):
     """Sampling temperature; log-probs in training use the same temperature."""
     top_k: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     """Sample from the k most likely tokens only (0: the whole vocabulary)."""
-    stop_token: Literal["eos"] | None = "eos"
-    """Truncate each response after its first EOS token (None: never truncate)."""
+    stop_token: StopToken | None = "eos"
+    """Truncate each response after its first stop token. ``"eos"``: any of the model's end tokens, where
+    transformers' ``generate`` stops (its generation config's ``eos_token_id``, e.g. Llama 3's ``<|eot_id|>``, and
+    the tokenizer's EOS); a token of the vocabulary (e.g. ``"<|im_end|>"``): that token alone, checked when the job
+    starts; None: never truncate."""
     kl_coef: Annotated[float, Field(ge=0, le=100)] = 0.04
     """β of the KL to the reference (the starting policy); 0: no reference is loaded at all."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"

@@ -19,7 +19,14 @@ from engine.builtin import reviews
 from engine.config import JOB_TYPES, JobSpec
 from engine.data import encode_prompts, load_rows
 from engine.generate import sample
-from engine.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model_ref, token_logprobs
+from engine.models import (
+    load_causal_lm,
+    load_scalar_model,
+    load_tokenizer,
+    resolve_model_ref,
+    stop_token_ids,
+    token_logprobs,
+)
 from engine.ops import truncate_after_stop
 from engine.reward import sequence_scores
 from engine.rm import encode_pairs, evaluate_pairs
@@ -109,10 +116,9 @@ def evaluate_policy(
     reference = load_causal_lm(reference_dir, tokenizer, SEED).eval()
     queries, query_mask = encode_prompts(tokenizer, prompts, 64)
     generator = torch.Generator().manual_seed(SEED)
-    raw, _ = sample(
-        policy, queries, query_mask, 24, TEMPERATURE, eos_token_id=tokenizer.eos_token_id, generator=generator
-    )
-    responses, mask, _ = truncate_after_stop(raw, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    stops = stop_token_ids(policy, tokenizer)
+    raw, _ = sample(policy, queries, query_mask, 24, TEMPERATURE, eos_token_id=stops, generator=generator)
+    responses, mask, _ = truncate_after_stop(raw, stops, tokenizer.pad_token_id)
     query_responses = torch.cat([queries, responses], 1)
     attention_mask = torch.cat([query_mask, mask], 1)
     P = queries.shape[1]

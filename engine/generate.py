@@ -11,7 +11,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, StaticCache
 
 from engine.data import encode_prompts
 from engine.models import check_fits, context_length
-from engine.ops import logprobs_from_logits, position_ids_from_mask, truncate_after_stop
+from engine.models import stop_token_ids as model_stop_ids
+from engine.ops import is_stop, logprobs_from_logits, position_ids_from_mask, stop_ids, truncate_after_stop
 from engine.rows import Text
 
 
@@ -69,7 +70,7 @@ def sample(
     temperature: float,
     top_k: int = 0,
     top_p: float = 1.0,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     group_size: int = 1,
     static_cache: bool = False,
@@ -79,10 +80,11 @@ def sample(
     ``group_size`` G, G samples of each prompt (rows ``i*G .. i*G + G - 1`` are prompt i's), the prompt
     prefilled once and its cache repeated for its group.
 
-    Stops early once every row has produced ``eos_token_id``. Returns the raw tokens (B·G, T),
-    T ≤ max_new_tokens, and their log-probabilities (B·G, T) under the model's full distribution at
-    ``temperature`` (before top-k/top-p filtering: the quantity PPO's ratio is taken of), so a PPO
-    rollout needs no second policy forward. Tokens after a row's EOS are junk for the caller to truncate.
+    Stops early once every row has produced a stop token, any of ``eos_token_id`` (one id or several, as
+    transformers' ``generate`` takes it). Returns the raw tokens (B·G, T), T ≤ max_new_tokens, and their
+    log-probabilities (B·G, T) under the model's full distribution at ``temperature`` (before top-k/top-p
+    filtering: the quantity PPO's ratio is taken of), so a PPO rollout needs no second policy forward. Tokens
+    after a row's stop token are junk for the caller to truncate (:func:`engine.ops.truncate_after_stop`).
 
     ``static_cache``: the KV cache is preallocated for P + max_new_tokens positions and every decoding step has
     the same shapes (the attention mask spans them all, 0 ahead), the same tokens as the growing cache and
@@ -112,14 +114,15 @@ def sample(
     decode = compiled_decoder(model) if static_cache and compiled else model
     next_positions = position_ids[:, -1:] + 1  # (B·G, 1)
     finished = torch.zeros(attention_mask.shape[0], dtype=torch.bool, device=input_ids.device)
+    stops = torch.tensor(stop_ids(eos_token_id), dtype=input_ids.dtype, device=input_ids.device)  # (S,)
     tokens, logprobs = [], []
     for t in range(max_new_tokens):
         logits = first_logits if t == 0 else out.logits[:, -1]  # (B·G, V)
         token = sample_next(logits, temperature, top_k, top_p, generator)  # (B,)
         tokens.append(token)
         logprobs.append(logprobs_from_logits(logits / max(temperature, 1e-7), token))
-        if eos_token_id is not None:
-            finished |= token == eos_token_id
+        if len(stops):
+            finished |= torch.isin(token, stops)
             if finished.all():
                 break
         if t == max_new_tokens - 1:
@@ -151,9 +154,9 @@ class Completion:
     prompt: Text
     text: str
     finish_reason: str
-    """``stop`` when the model produced EOS, ``length`` when it ran out of tokens."""
+    """``stop`` when the model produced a stop token, ``length`` when it ran out of tokens."""
     tokens: list[int] = field(default_factory=list)
-    """The response's token ids, up to and including EOS."""
+    """The response's token ids, up to and including its stop token."""
     prompt_tokens: int = 0
     """Tokens of the prompt the model was given (after truncation)."""
 
@@ -168,12 +171,15 @@ def generate(
     seed: int = 0,
     max_prompt_length: int = 512,
     n: int = 1,
+    stop_token_ids: Sequence[int] | None = None,
 ) -> list[Completion]:
     """Complete each prompt ``n`` times (one batch, each prompt repeated ``n`` times in a row); seeded, so the
     same call returns the same texts. A prompt is text (after the tokenizer's BOS, where it adds one) or chat
     messages (rendered by the chat template with the generation prompt): encoded as training encodes prompts.
 
-    Prompts longer than the model's context allows (after room for ``max_new_tokens``) keep their end.
+    A completion ends at the first of ``stop_token_ids`` (None: the model's, :func:`engine.models.stop_token_ids`,
+    where transformers' ``generate`` ends), its text without it. Prompts longer than the model's context allows
+    (after room for ``max_new_tokens``) keep their end.
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
@@ -186,6 +192,7 @@ def generate(
     batch = [prompt for prompt in prompts for _ in range(n)]
     input_ids, attention_mask = encode_prompts(tokenizer, batch, max_prompt_length)  # (B, P)
     generator = torch.Generator(device).manual_seed(seed)
+    stops = model_stop_ids(model, tokenizer) if stop_token_ids is None else tuple(stop_token_ids)
     raw, _ = sample(
         model,
         input_ids.to(device),
@@ -193,13 +200,22 @@ def generate(
         max_new_tokens,
         temperature,
         top_p=top_p,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=stops,
         generator=generator,
     )
-    responses, mask, stopped = truncate_after_stop(raw, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+    responses, mask, stopped = truncate_after_stop(raw, stops, tokenizer.pad_token_id)
+    texts = response_texts(tokenizer, responses, mask, stops)
     lengths, prompt_lengths = mask.sum(1).tolist(), attention_mask.sum(1).tolist()
     return [
         Completion(prompt, text, "stop" if done else "length", responses[i, : lengths[i]].tolist(), prompt_lengths[i])
         for i, (prompt, text, done) in enumerate(zip(batch, texts, stopped.tolist(), strict=True))
     ]
+
+
+def response_texts(
+    tokenizer: PreTrainedTokenizerBase, responses: torch.Tensor, mask: torch.Tensor, stop_token_ids: Sequence[int]
+) -> list[str]:
+    """The text of each response (B, T) up to its stop token, without it, special tokens dropped: what a grader
+    or a client reads. ``mask`` (B, T): 1 on kept tokens, those of :func:`engine.ops.truncate_after_stop`."""
+    text_mask = mask.bool() & ~is_stop(responses, stop_token_ids)  # (B, T): the stop token is the last kept one
+    return tokenizer.batch_decode(responses.masked_fill(~text_mask, tokenizer.pad_token_id), skip_special_tokens=True)

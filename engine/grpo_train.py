@@ -13,6 +13,7 @@ DDP averaging the gradients.
 """
 
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -26,11 +27,19 @@ from engine.callbacks import Callbacks
 from engine.config import GRPOConfig, JobSpec
 from engine.data import batch_indices, encode_prompts
 from engine.distributed import Ranks
-from engine.generate import sample
+from engine.generate import response_texts, sample
 from engine.graders import RewardScores, reward_metrics
 from engine.grpo import aggregate, clipped_surrogate, tied_groups, token_advantages
 from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything
-from engine.models import check_fits, folded_adapters, frozen, load_causal_lm, prepare, token_logprobs
+from engine.models import (
+    check_fits,
+    folded_adapters,
+    frozen,
+    load_causal_lm,
+    prepare,
+    resolve_stop_token,
+    token_logprobs,
+)
 from engine.ops import truncate_after_stop
 from engine.ppo import kl_per_token
 from engine.rewards import RewardFunction, eval_metrics, samples_of
@@ -87,7 +96,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
     stop = callbacks.should_stop
     reward = RewardFunction(grader, tokenizer, device, cfg.dtype, stop)
     eval_reward = RewardFunction(spec.eval_reward, tokenizer, device, cfg.dtype, stop) if spec.eval_reward else reward
-    stop_token_id = tokenizer.eos_token_id if cfg.stop_token == "eos" else None
+    stop_token_ids = resolve_stop_token(cfg.stop_token, policy, tokenizer)  # (): responses run to response_length
     params = [p for p in policy.parameters() if p.requires_grad]
     trained_policy = ranks.wrap(policy, compile=cfg.torch_compile)
 
@@ -109,7 +118,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
 
     def roll_out(batch_rows: list[dict[str, Any]], group: int, scorer: RewardFunction, gen: torch.Generator,
                  share: slice = slice(None)) -> tuple[GroupRollout, RewardScores]:  # fmt: skip
-        return rollout(policy, ref_policy, tokenizer, batch_rows, share, group, scorer, cfg, stop_token_id, gen,
+        return rollout(policy, ref_policy, tokenizer, batch_rows, share, group, scorer, cfg, stop_token_ids, gen,
                        device)  # fmt: skip
 
     N = cfg.batch_size * G  # samples per step
@@ -124,7 +133,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
                                                                  strict=True)))  # fmt: skip
         t_rollout = time.perf_counter() - t0
         if samples_due(step, cfg.log_samples_every):  # what the policy says, kept every log_samples_every steps
-            callbacks.on_samples(step, grpo_samples(tokenizer, ex, components, cfg.log_samples))
+            callbacks.on_samples(step, grpo_samples(tokenizer, ex, components, cfg.log_samples, stop_token_ids))
 
         # 2. advantages from each group's scores; the KL to the reference in the reward or as a loss term
         kl = kl_per_token(ex.logprobs, ex.ref_logprobs, cfg.kl_estimator) * ex.mask  # (N, T)
@@ -183,7 +192,7 @@ def rollout(
     group_size: int,
     reward: RewardFunction,
     cfg: GRPOConfig,
-    stop_token_id: int | None,
+    stop_token_ids: Sequence[int],
     generator: torch.Generator,
     device: torch.device,
 ) -> tuple[GroupRollout, RewardScores]:
@@ -196,9 +205,9 @@ def rollout(
     with folded_adapters(policy):  # LoRA sampling at the full model's speed
         static = cfg.cuda_graphs and device.type == "cuda"  # CUDA graphs for the decoding steps
         raw, raw_logprobs = sample(policy, queries, query_mask, cfg.response_length, cfg.temperature,
-                                   top_k=cfg.top_k, eos_token_id=stop_token_id, generator=generator,
+                                   top_k=cfg.top_k, eos_token_id=stop_token_ids, generator=generator,
                                    group_size=group_size, static_cache=static, compiled=static)  # fmt: skip
-    responses, mask, stopped = truncate_after_stop(raw, stop_token_id, tokenizer.pad_token_id)
+    responses, mask, stopped = truncate_after_stop(raw, stop_token_ids, tokenizer.pad_token_id)
     P = queries.shape[1]
     query_responses = torch.cat([queries.repeat_interleave(group_size, 0), responses], dim=1)  # (N, P + T)
     attention_mask = torch.cat([query_mask.repeat_interleave(group_size, 0), mask], dim=1)
@@ -212,7 +221,7 @@ def rollout(
                 chunks.append(token_logprobs(ref_policy or policy, qr, am, P, cfg.temperature)[0])
         ref_logprobs = torch.cat(chunks) * mask
 
-    texts = tokenizer.batch_decode(responses.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+    texts = response_texts(tokenizer, responses, mask, stop_token_ids)
     samples = samples_of(tokenizer, [row for row in rows for _ in range(group_size)], texts)
     scored = reward(samples, stopped.tolist())
     return (
@@ -231,14 +240,18 @@ def rollout(
 
 
 def grpo_samples(
-    tokenizer: PreTrainedTokenizerBase, ex: GroupRollout, scored: RewardScores, n: int
+    tokenizer: PreTrainedTokenizerBase,
+    ex: GroupRollout,
+    scored: RewardScores,
+    n: int,
+    stop_token_ids: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
     """The first ``n`` samples of the batch (group by group) for :meth:`Callbacks.on_samples`, with each reward
     component of ``scored`` (the whole batch's) and their ``total``."""
     rewards = {**scored.components, "total": scored.total}
     P = ex.query_responses.shape[1] - ex.mask.shape[1]
     return logged_samples(tokenizer, ex.query_responses, ex.attention_mask, P, ex.logprobs, ex.ref_logprobs,
-                          rewards, n)  # fmt: skip
+                          rewards, n, stop_token_ids)  # fmt: skip
 
 
 def gather_samples(ex: GroupRollout, ranks: Ranks, pad_token_id: int) -> GroupRollout:

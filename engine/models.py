@@ -28,7 +28,7 @@ from engine.config import LoraSpec
 from engine.hub import explain_missing, hub_kwargs
 from engine.model_refs import ModelNotFoundError as ModelNotFoundError  # re-exported: callers catch it from here
 from engine.model_refs import resolve_model_ref as resolve_model_ref
-from engine.ops import chunked_logprobs, entropy_from_logits, logprobs_from_logits, position_ids_from_mask
+from engine.ops import chunked_logprobs, entropy_from_logits, logprobs_from_logits, position_ids_from_mask, stop_ids
 
 
 def load_tokenizer(ref: str) -> PreTrainedTokenizerBase:
@@ -67,9 +67,56 @@ def _tiny_config(tokenizer: PreTrainedTokenizerBase) -> GPT2Config:
 def load_causal_lm(ref: str, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
     """A causal LM (fp32, CPU; the caller moves it). ``builtin:tiny`` is initialised from ``seed``."""
     torch.manual_seed(seed)
+    model: PreTrainedModel
     if ref == builtin.TINY_MODEL:
-        return GPT2LMHeadModel(_tiny_config(tokenizer))
-    return _from_pretrained(AutoModelForCausalLM, ref)
+        model = GPT2LMHeadModel(_tiny_config(tokenizer))
+    else:
+        model = _from_pretrained(AutoModelForCausalLM, ref)
+    # every stop id in the generation config: saved with each checkpoint, so plain transformers stops there too
+    ids = stop_token_ids(model, tokenizer)
+    model.generation_config.eos_token_id = ids[0] if len(ids) == 1 else list(ids)
+    return model
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The tokens a response ends at, as transformers' ``generate`` ends it: the ``eos_token_id`` of the model's
+    generation config (its ``generation_config.json``; an id or a list, e.g. Llama 3's ``<|eot_id|>`` and
+    ``<|end_of_text|>``, Phi-3's ``<|end|>`` and ``<|endoftext|>``), then the tokenizer's EOS and the model
+    config's EOS ids, each once."""
+    generation = getattr(model, "generation_config", None)
+    found = (
+        getattr(generation, "eos_token_id", None),
+        tokenizer.eos_token_id,
+        getattr(model.config, "eos_token_id", None),
+    )
+    return stop_ids([i for ids in found for i in stop_ids(ids)])
+
+
+class StopTokenError(ValueError):
+    """``stop_token`` names no single token of the model's vocabulary."""
+
+
+def resolve_stop_token(
+    stop_token: str | None, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+) -> tuple[int, ...]:
+    """The ids a ``stop_token`` hyperparameter ends responses at: ``"eos"``, every stop id of the model
+    (:func:`stop_token_ids`); a token of the vocabulary (``"<|im_end|>"``, or text the tokenizer encodes as one
+    token), that token alone; None, none."""
+    if stop_token is None:
+        return ()
+    if stop_token == "eos":
+        return stop_token_ids(model, tokenizer)
+    vocabulary = tokenizer.get_vocab()
+    if stop_token in vocabulary:
+        return (vocabulary[stop_token],)
+    ids = tokenizer.encode(stop_token, add_special_tokens=False)
+    if len(ids) == 1:
+        return (ids[0],)
+    ends = [tokenizer.convert_ids_to_tokens(i) for i in stop_token_ids(model, tokenizer)]
+    raise StopTokenError(
+        f"hyperparameters.stop_token {stop_token!r} is not a token of the model's vocabulary (its tokenizer encodes "
+        f"it as {len(ids)} tokens); name one token, or 'eos' for the model's end tokens {ends}"
+    )
 
 
 def load_scalar_model(

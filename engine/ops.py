@@ -1,6 +1,6 @@
 """Masked statistics and token-level helpers. Pure functions, each tested against a naive loop."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -94,18 +94,34 @@ def first_true_index(bools: torch.Tensor) -> torch.Tensor:
     return torch.where(bools, positions, T).min(-1).values
 
 
+def stop_ids(ids: int | Sequence[int] | None) -> tuple[int, ...]:
+    """Token ids as transformers writes ``eos_token_id`` (one id, a list, or None), as a tuple without repeats."""
+    if ids is None:
+        return ()
+    return tuple(dict.fromkeys([ids] if isinstance(ids, int) else ids))
+
+
+def is_stop(tokens: torch.Tensor, stop_token_ids: int | Sequence[int] | None) -> torch.Tensor:
+    """Whether each token is one of the stop tokens: a bool tensor shaped like ``tokens``."""
+    ids = stop_ids(stop_token_ids)
+    if not ids:
+        return torch.zeros_like(tokens, dtype=torch.bool)
+    return torch.isin(tokens, torch.tensor(ids, dtype=tokens.dtype, device=tokens.device))
+
+
 def truncate_after_stop(
-    responses: torch.Tensor, stop_token_id: int | None, pad_token_id: int
+    responses: torch.Tensor, stop_token_ids: int | Sequence[int] | None, pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keep each response up to and including its first stop token; pad the rest.
+    """Keep each response up to and including its first stop token (any of ``stop_token_ids``: one id or several,
+    as transformers' ``eos_token_id``); pad the rest.
 
     Returns (responses, mask, stopped): the padded responses (B, T), the mask of kept tokens
-    (B, T) and whether each row contained the stop token (B,).
+    (B, T) and whether each row contained a stop token (B,).
     """
     B, T = responses.shape
-    if stop_token_id is None:
+    if not stop_ids(stop_token_ids):
         return responses, torch.ones_like(responses), torch.zeros(B, dtype=torch.bool, device=responses.device)
-    stop_at = first_true_index(responses == stop_token_id)  # (B,)
+    stop_at = first_true_index(is_stop(responses, stop_token_ids))  # (B,)
     positions = torch.arange(T, device=responses.device).expand(B, T)
     mask = (positions <= stop_at.unsqueeze(1)).long()  # (B, T)
     return torch.where(mask.bool(), responses, pad_token_id), mask, stop_at < T

@@ -34,6 +34,7 @@ from engine.models import (
     load_scalar_model,
     load_tokenizer,
     prepare,
+    resolve_stop_token,
     token_logprobs,
 )
 from engine.ops import masked_mean, masked_whiten
@@ -124,7 +125,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
 
     policy = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
     ref_policy = frozen(causal_lm(spec.model)) if spec.lora is None else None
-    stop_token_id = tokenizer.eos_token_id if cfg.stop_token == "eos" else None
+    stop_token_ids = resolve_stop_token(cfg.stop_token, policy, tokenizer)  # (): responses run to response_length
     recorded: list[RewardScores] = []  # a reward of graders: each rollout chunk's component scores
     if shared_vocabulary:
         assert reward_ref is not None
@@ -139,11 +140,11 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     eval_reward = RewardFunction(spec.eval_reward, tokenizer, device, cfg.dtype, stop) if spec.eval_reward else None
     if reward_ref is None:
         grader = RewardFunction(spec.reward_grader, tokenizer, device, cfg.dtype, stop)
-        scorer = grader_scorer(grader, tokenizer, stop_token_id, recorded)
+        scorer = grader_scorer(grader, tokenizer, stop_token_ids, recorded)
     elif not shared_vocabulary:
         assert reward_tokenizer is not None
         reward_model = frozen(scalar_model(reward_ref, reward_tokenizer))
-        scorer = text_scorer(reward_model, reward_tokenizer, tokenizer, stop_token_id)
+        scorer = text_scorer(reward_model, reward_tokenizer, tokenizer, stop_token_ids)
         callbacks.on_event(
             "info",
             "the reward model's tokenizer differs from the policy's: responses are scored as text, re-encoded by "
@@ -165,7 +166,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     ) -> Rollout:
         return make_rollout(
             policy, ref_policy, value_model, scorer, rows, queries, query_mask, cfg.response_length,
-            cfg.temperature, cfg.top_k, stop_token_id, tokenizer.pad_token_id, generator,
+            cfg.temperature, cfg.top_k, stop_token_ids, tokenizer.pad_token_id, generator,
             chunk_size=cfg.mini_batch_size, static_cache=cfg.cuda_graphs and device.type == "cuda",
         )  # fmt: skip
 
@@ -226,13 +227,14 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         t_rollout = time.perf_counter() - t0
 
         # 2. rewards: the shaped score on the last kept token, -β·KL on every token
-        raw_scores, scores = shape_scores(ro, cfg, score_moments, stop_token_id)  # (B,), (B,)
+        raw_scores, scores = shape_scores(ro, cfg, score_moments, stop_token_ids)  # (B,), (B,)
         kl = kl_per_token(ro.logprobs, ro.ref_logprobs, cfg.kl_estimator) * mask  # (B, T)
         rewards, non_score_reward = compute_rewards(scores, kl, mask, kl_ctl.value)
         graded = gathered(merged(recorded), ranks, device) if recorded else None  # graders: every rank's components
         recorded.clear()
         if samples_due(step, cfg.log_samples_every):
-            callbacks.on_samples(step, ppo_samples(tokenizer, ro, raw_scores, graded, cfg.log_samples))
+            samples = ppo_samples(tokenizer, ro, raw_scores, graded, cfg.log_samples, stop_token_ids)
+            callbacks.on_samples(step, samples)
 
         # 3. advantages and returns (GAE), advantages whitened over valid tokens
         advantages, returns = compute_gae(rewards, ro.values, mask, cfg.gamma, cfg.lam)
@@ -280,7 +282,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         if graded is not None:  # the reward's components, over every rank's rows
             metrics.update(reward_metrics(graded))
         if eval_rows and run.eval_due(step, cfg.eval_every):
-            metrics.update(evaluate(sample, tokenizer, eval_rows, cfg, spec.seed, device, eval_reward, stop_token_id))
+            metrics.update(evaluate(sample, tokenizer, eval_rows, cfg, spec.seed, device, eval_reward, stop_token_ids))
             if eval_reward is None and recorded:  # a reward of graders: its scores of the held-out samples
                 metrics.update(eval_metrics(merged(recorded)))
             recorded.clear()
@@ -297,12 +299,12 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
 
 
 def shape_scores(
-    ro: Rollout, cfg: PPOConfig, moments: RunningMoments, stop_token_id: int | None
+    ro: Rollout, cfg: PPOConfig, moments: RunningMoments, stop_token_ids: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(raw, shaped) scores (B,): the reward model's less the missing-stop penalty, then normalised by the running
     ``moments`` (updated here) and clipped, where configured (PPO-max)."""
     raw_scores = ro.scores.clone()  # (B,)
-    if stop_token_id is not None:
+    if stop_token_ids:
         raw_scores -= cfg.missing_eos_penalty * (~ro.stopped).float()
     scores = raw_scores
     if cfg.normalize_scores:
@@ -314,7 +316,12 @@ def shape_scores(
 
 
 def ppo_samples(
-    tokenizer: PreTrainedTokenizerBase, ro: Rollout, raw_scores: torch.Tensor, graded: RewardScores | None, n: int
+    tokenizer: PreTrainedTokenizerBase,
+    ro: Rollout,
+    raw_scores: torch.Tensor,
+    graded: RewardScores | None,
+    n: int,
+    stop_token_ids: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
     """The first ``n`` rollouts of the batch for :meth:`Callbacks.on_samples`: rewarded by a reward model with their
     ``score`` (``raw_scores``, as ``objective/scores``), by graders with each component and their ``total``."""
@@ -323,7 +330,7 @@ def ppo_samples(
     else:
         rewards = {**graded.components, "total": graded.total}
     return logged_samples(tokenizer, ro.query_responses, ro.attention_mask, ro.context_length, ro.logprobs,
-                          ro.ref_logprobs, rewards, n)  # fmt: skip
+                          ro.ref_logprobs, rewards, n, stop_token_ids)  # fmt: skip
 
 
 def ptx_minibatch(
@@ -455,7 +462,7 @@ def evaluate(
     seed: int,
     device: torch.device,
     eval_reward: RewardFunction | None = None,
-    stop_token_id: int | None = None,
+    stop_token_ids: Sequence[int] = (),
 ) -> dict[str, float]:
     """Held-out prompts, sampled as in training but from their own fixed seed (training RNG untouched); with
     ``eval_reward``, their samples scored by it too (``eval/reward`` and its components)."""
@@ -471,7 +478,7 @@ def evaluate(
         lengths.append(ro.mask.sum(1).float())
         if eval_reward is not None:
             P = ro.context_length
-            texts, stopped = decode_responses(tokenizer, ro.query_responses, ro.attention_mask, P, stop_token_id)
+            texts, stopped = decode_responses(tokenizer, ro.query_responses, ro.attention_mask, P, stop_token_ids)
             judged.append(eval_reward(samples_of(tokenizer, chunk, texts), stopped))
     return {
         "eval/scores": torch.cat(scores).mean().item(),

@@ -66,7 +66,10 @@ def samples_of(tokenizer: PreTrainedTokenizerBase, rows: Sequence[dict[str, Any]
 
 
 def grader_scorer(
-    reward: RewardFunction, tokenizer: PreTrainedTokenizerBase, stop_token_id: int | None, record: list[RewardScores]
+    reward: RewardFunction,
+    tokenizer: PreTrainedTokenizerBase,
+    stop_token_ids: Sequence[int],
+    record: list[RewardScores],
 ) -> Scorer:
     """PPO's scorer for a reward of graders: each rollout chunk's decoded responses scored by ``reward``, its
     :class:`RewardScores` appended to ``record`` (for the per-component metrics)."""
@@ -74,7 +77,7 @@ def grader_scorer(
     def score(
         rows: Sequence[dict[str, Any]], query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int
     ) -> torch.Tensor:
-        texts, stopped = decode_responses(tokenizer, query_responses, attention_mask, P, stop_token_id)
+        texts, stopped = decode_responses(tokenizer, query_responses, attention_mask, P, stop_token_ids)
         scored = reward(samples_of(tokenizer, rows, texts), stopped)
         record.append(scored)
         return torch.tensor(scored.total, dtype=torch.float32, device=query_responses.device)

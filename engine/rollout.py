@@ -12,9 +12,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.distributed import Ranks
-from engine.generate import sample
+from engine.generate import response_texts, sample
 from engine.models import ScalarHead, folded_adapters, token_logprobs
-from engine.ops import truncate_after_stop
+from engine.ops import is_stop, truncate_after_stop
 from engine.reward import score_texts, sequence_scores
 
 
@@ -31,7 +31,7 @@ class Rollout:
     mask: torch.Tensor
     """1 on kept response tokens (up to and including the stop token): (B, T)."""
     stopped: torch.Tensor
-    """Whether each response produced the stop token: (B,)."""
+    """Whether each response produced a stop token: (B,)."""
     logprobs: torch.Tensor
     """Policy log-probabilities of the response tokens at the sampling temperature, 0 after the stop: (B, T).
     Taken while sampling: the same numbers as a forward over the whole sequence, up to rounding."""
@@ -78,14 +78,14 @@ def text_scorer(
     reward_model: PreTrainedModel,
     reward_tokenizer: PreTrainedTokenizerBase,
     policy_tokenizer: PreTrainedTokenizerBase,
-    stop_token_id: int | None,
+    stop_token_ids: Sequence[int],
 ) -> Scorer:
     """Scores of the decoded responses, encoded anew by the reward model's own tokenizer (:func:`score_texts`)."""
 
     def score(
         rows: Sequence[dict[str, Any]], query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int
     ) -> torch.Tensor:
-        texts, stopped = decode_responses(policy_tokenizer, query_responses, attention_mask, P, stop_token_id)
+        texts, stopped = decode_responses(policy_tokenizer, query_responses, attention_mask, P, stop_token_ids)
         prompts = [row["prompt"] for row in rows]
         return score_texts(reward_model, reward_tokenizer, prompts, texts, stopped, policy_tokenizer)
 
@@ -97,13 +97,13 @@ def decode_responses(
     query_responses: torch.Tensor,
     attention_mask: torch.Tensor,
     P: int,
-    stop_token_id: int | None,
+    stop_token_ids: Sequence[int],
 ) -> tuple[list[str], list[bool]]:
-    """The responses of rollout rows as text (special tokens dropped), and whether each ended with the stop token."""
-    responses = query_responses[:, P:].masked_fill(attention_mask[:, P:] == 0, tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    stopped = ((responses == stop_token_id) & (attention_mask[:, P:] == 1)).any(1).tolist()
-    return texts, stopped
+    """The responses of rollout rows as text (up to their stop token, special tokens dropped), and whether each
+    ended with a stop token (any of ``stop_token_ids``)."""
+    responses, mask = query_responses[:, P:], attention_mask[:, P:]  # (B, T)
+    stopped = (is_stop(responses, stop_token_ids) & (mask == 1)).any(1).tolist()
+    return response_texts(tokenizer, responses, mask, stop_token_ids), stopped
 
 
 def samples_due(step: int, every: int | None) -> bool:
@@ -120,16 +120,17 @@ def logged_samples(
     ref_logprobs: torch.Tensor,
     rewards: Mapping[str, Sequence[float]],
     n: int,
+    stop_token_ids: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
     """The first ``n`` rollout rows as :meth:`engine.callbacks.Callbacks.on_samples` takes them: the prompt as the
     policy saw it (its unpadded query tokens, special tokens kept: a chat prompt shows its template), the response
-    (special tokens dropped), ``rewards`` by name, the summed log-ratio to the reference over the response tokens,
-    and their count. ``query_responses``, ``attention_mask``: (B, P + T); ``logprobs``, ``ref_logprobs``: (B, T)."""
+    as graders read it (up to its stop token, special tokens dropped), ``rewards`` by name, the summed log-ratio to
+    the reference over the response tokens, and their count (with the stop token). ``query_responses``,
+    ``attention_mask``: (B, P + T); ``logprobs``, ``ref_logprobs``: (B, T)."""
     qr, am = query_responses[:n], attention_mask[:n]
     mask = am[:, P:]  # (n, T)
     prompts = [tokenizer.decode(query[kept.bool()]) for query, kept in zip(qr[:, :P], am[:, :P], strict=True)]
-    responses = qr[:, P:].masked_fill(mask == 0, tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    texts = response_texts(tokenizer, qr[:, P:], mask, stop_token_ids)
     kls = ((logprobs[:n] - ref_logprobs[:n]) * mask).sum(1).tolist()  # (n,)
     lengths = mask.sum(1).tolist()  # (n,)
     return [
@@ -156,13 +157,14 @@ def make_rollout(
     response_length: int,
     temperature: float,
     top_k: int,
-    stop_token_id: int | None,
+    stop_token_ids: Sequence[int],
     pad_token_id: int,
     generator: torch.Generator,
     chunk_size: int,
     static_cache: bool = False,
 ) -> Rollout:
-    """Sample one response per query (B, P) of the dataset ``rows`` and evaluate it with reference, critic and reward
+    """Sample one response per query (B, P) of the dataset ``rows``, each up to its first of ``stop_token_ids``
+    (none: ``response_length`` tokens), and evaluate it with reference, critic and reward
     model (``scorer``) in chunks of ``chunk_size``. The policy's log-probabilities come from sampling itself; LoRA
     adapters are folded into the weights for the sampling and the critic's forward (:func:`folded_adapters`).
 
@@ -179,12 +181,12 @@ def make_rollout(
             response_length,
             temperature,
             top_k=top_k,
-            eos_token_id=stop_token_id,
+            eos_token_id=stop_token_ids,
             generator=generator,
             static_cache=static_cache,
             compiled=static_cache,
         )  # (B, T)
-    responses, mask, stopped = truncate_after_stop(raw, stop_token_id, pad_token_id)
+    responses, mask, stopped = truncate_after_stop(raw, stop_token_ids, pad_token_id)
     query_responses = torch.cat([queries, responses], dim=1)  # (B, P + T)
     attention_mask = torch.cat([query_mask, mask], dim=1)
     P = queries.shape[1]

@@ -27,6 +27,7 @@ from engine.models import (
     pick_device,
     prepare,
     resolve_model_ref,
+    stop_token_ids,
 )
 from engine.reward import score_texts
 from engine.rows import Text
@@ -152,7 +153,10 @@ def generate(
     """Complete each prompt ``n`` times from checkpoint ``step`` (None or ``"latest"``: the newest) of an sft or
     ppo job. Same arguments, same texts (seeded sampling; the ``n`` samples of a prompt are distinct draws).
 
-    ``stop``: up to 4 strings; a text is cut before the first one it contains (finish reason ``stop``).
+    A completion ends at the checkpoint's stop tokens (its generation config's ``eos_token_id``, e.g. Llama 3's
+    ``<|eot_id|>``, and its tokenizer's EOS: where transformers' ``generate`` ends), finish reason ``stop``, the
+    token not in the text. ``stop``: up to 4 strings; a text is cut before the first one it contains (finish reason
+    ``stop``); a stop string may name special tokens (:func:`complete`).
     ``messages``: one chat conversation (``[{"role", "content"}]``) formatted by the checkpoint's chat template
     (with the generation prompt) and completed in place of ``prompts`` (which must then be empty); a tokenizer
     without a template raises ChatTemplateMissing.
@@ -160,8 +164,8 @@ def generate(
     Returns ``{"checkpoint": step, "completions": [{"prompt", "text", "finish_reason"[, "score"]}], "usage":
     {"prompt_tokens", "completion_tokens"}}``: completions prompt by prompt, ``n`` each; ``usage`` counts each
     prompt's tokens once (as sampled from: truncated to fit the context) and every sampled token up to the end
-    of its text (EOS, or the token completing a stop string). Scores come from a ppo job's reward model. Any
-    request that cannot be served raises GenerateError.
+    of its text (its stop token, or the token completing a stop string). Scores come from a ppo job's reward
+    model. Any request that cannot be served raises GenerateError.
     """
     if step == "latest":
         step = None
@@ -270,22 +274,60 @@ def complete(
     n: int = 1,
     stop: list[str] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """``n`` seeded samples per prompt (:func:`engine.generate.generate`), cut at stop strings, with token counts."""
+    """``n`` seeded samples per prompt (:func:`engine.generate.generate`), each ending at the model's stop tokens
+    (:func:`engine.models.stop_token_ids`) and cut at ``stop`` strings, with token counts.
+
+    A stop string that is one special token of the tokenizer (``"<|eot_id|>"``) ends sampling at that token, as
+    the model's own stop tokens do; one that holds a special token among other text is looked for in the text
+    with special tokens kept; the others in the text as returned (special tokens dropped)."""
+    stop = stop or []
+    specials = special_tokens(tokenizer)
+    ends = [*stop_token_ids(model, tokenizer), *(specials[s] for s in stop if s in specials)]
+    strings = [s for s in stop if s not in specials]
     completions = engine_generate.generate(
-        model, tokenizer, prompts, max_new_tokens, temperature, top_p, seed, MAX_PROMPT_LENGTH, n
+        model, tokenizer, prompts, max_new_tokens, temperature, top_p, seed, MAX_PROMPT_LENGTH, n, ends
     )
     rows: list[dict[str, Any]] = []
     completion_tokens = 0
     for c in completions:
         text, finish_reason, length = c.text, c.finish_reason, len(c.tokens)
-        cut = _first_stop(text, stop or [])
+        cut = _cut_at_stop(tokenizer, c.tokens, text, strings, list(specials))
         if cut is not None:
-            text, finish_reason = text[:cut], "stop"
-            length = _tokens_to_stop(tokenizer, c.tokens, stop or [])
+            (text, length), finish_reason = cut, "stop"
         completion_tokens += length
         rows.append({"prompt": c.prompt, "text": text, "finish_reason": finish_reason})
     prompt_tokens = sum(c.prompt_tokens for c in completions[::n])
     return rows, {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+
+
+def special_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+    """The tokenizer's special tokens by their text: those a decode with ``skip_special_tokens`` drops."""
+    found = {str(token): i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    found.update(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=True))
+    return found
+
+
+def _cut_at_stop(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], text: str, stop: list[str], specials: list[str]
+) -> tuple[str, int] | None:
+    """The text before the first stop string the response ``ids`` (decoded: ``text``) produce, and the fewest
+    leading tokens that produce it; None without one. A stop string holding a special token is looked for in the
+    text with special tokens kept (the text returned drops them), the others in ``text``."""
+    marked = [s for s in stop if any(special in s for special in specials)]
+    plain = [s for s in stop if s not in marked]
+    found: list[tuple[int, str]] = []
+    if (cut := _first_stop(text, plain)) is not None:
+        found.append((_tokens_to_stop(tokenizer, ids, plain), text[:cut]))
+    kept = str(tokenizer.decode(ids, skip_special_tokens=False)) if marked else ""
+    if (cut := _first_stop(kept, marked)) is not None:
+        head = kept[:cut]
+        for special in sorted(specials, key=len, reverse=True):
+            head = head.replace(special, "")
+        found.append((_tokens_to_stop(tokenizer, ids, marked, skip_special_tokens=False), head))
+    if not found:
+        return None
+    length, head = min(found, key=lambda f: f[0])
+    return head, length
 
 
 def _first_stop(text: str, stop: list[str]) -> int | None:
@@ -297,20 +339,25 @@ def _first_stop(text: str, stop: list[str]) -> int | None:
 class _Prefixes:
     """Whether the text of the first ``k`` tokens contains a stop string, as a sequence over k (monotone)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, ids: list[int], stop: list[str]) -> None:
-        self.tokenizer, self.ids, self.stop = tokenizer, ids, stop
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, ids: list[int], stop: list[str], skip_special_tokens: bool
+    ) -> None:
+        self.tokenizer, self.ids, self.stop, self.skip_special_tokens = tokenizer, ids, stop, skip_special_tokens
 
     def __len__(self) -> int:
         return len(self.ids) + 1
 
     def __getitem__(self, k: int) -> bool:
-        text = str(self.tokenizer.decode(self.ids[:k], skip_special_tokens=True))
+        text = str(self.tokenizer.decode(self.ids[:k], skip_special_tokens=self.skip_special_tokens))
         return _first_stop(text, self.stop) is not None
 
 
-def _tokens_to_stop(tokenizer: PreTrainedTokenizerBase, ids: list[int], stop: list[str]) -> int:
-    """The fewest leading tokens whose text contains a stop string (binary search: a few decodes)."""
-    k = bisect_left(_Prefixes(tokenizer, ids, stop), True)
+def _tokens_to_stop(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], stop: list[str], skip_special_tokens: bool = True
+) -> int:
+    """The fewest leading tokens whose text (special tokens dropped unless kept by ``skip_special_tokens``)
+    contains a stop string (binary search: a few decodes)."""
+    k = bisect_left(_Prefixes(tokenizer, ids, stop, skip_special_tokens), True)
     return min(k, len(ids))
 
 

@@ -16,6 +16,7 @@ from engine.ops import (
     masked_whiten,
     position_ids_from_mask,
     reward_index,
+    stop_ids,
     truncate_after_stop,
 )
 
@@ -158,7 +159,8 @@ def test_first_true_index():
 PAD, STOP = 0, 9
 
 
-def _naive_truncate(rows: list[list[int]], stop: int) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+def _naive_truncate(rows: list[list[int]], stop: int | set[int]) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+    stops = stop if isinstance(stop, set) else {stop}
     out, masks, stopped = [], [], []
     for row in rows:
         kept, m, seen = [], [], False
@@ -169,7 +171,7 @@ def _naive_truncate(rows: list[list[int]], stop: int) -> tuple[list[list[int]], 
             else:
                 kept.append(tok)
                 m.append(1)
-                seen = tok == stop
+                seen = tok in stops
         out.append(kept)
         masks.append(m)
         stopped.append(seen)
@@ -201,6 +203,24 @@ def test_truncate_after_stop_random():
     out, mask, stopped = truncate_after_stop(responses, STOP, PAD)
     exp_out, exp_mask, exp_stopped = _naive_truncate(responses.tolist(), STOP)
     assert (out.tolist(), mask.tolist(), stopped.tolist()) == (exp_out, exp_mask, exp_stopped)
+
+
+def test_truncate_after_the_first_of_several_stop_tokens():
+    """Llama 3 ends a turn with <|eot_id|> and a text with <|end_of_text|>: whichever comes first ends the row."""
+    torch.manual_seed(4)
+    responses = torch.randint(1, 12, (16, 10))
+    out, mask, stopped = truncate_after_stop(responses, [STOP, 7], PAD)
+    exp_out, exp_mask, exp_stopped = _naive_truncate(responses.tolist(), {STOP, 7})
+    assert (out.tolist(), mask.tolist(), stopped.tolist()) == (exp_out, exp_mask, exp_stopped)
+    assert any(exp_stopped) and not all(exp_stopped)
+    single = truncate_after_stop(responses, STOP, PAD)
+    assert [t.tolist() for t in truncate_after_stop(responses, (STOP,), PAD)] == [t.tolist() for t in single]
+
+
+def test_stop_ids_read_transformers_eos_token_id():
+    assert stop_ids(None) == ()
+    assert stop_ids(5) == (5,)
+    assert stop_ids([7, 5, 7]) == (7, 5)  # in order, once each
 
 
 def test_truncate_without_stop_token():
