@@ -109,7 +109,9 @@ def encode_conversation(
 
     Rendered turn by turn (the conversation up to each trained message, with and without it), so the trained
     tokens are exactly what sampling after that prompt would have to produce. The last trained turn ends with
-    EOS (added when the template does not write it).
+    EOS (added when the template does not write it). A template whose shorter conversations are not the start
+    of the longer ones (Qwen3 drops the reasoning of earlier turns, Phi-3 ends every rendering with EOS) is
+    read from one rendering of the whole conversation instead (:func:`encode_rendered`).
     """
     ids: list[int] = []
     trained: list[bool] = []
@@ -122,14 +124,14 @@ def encode_conversation(
 
     untrained = {i for i, message in enumerate(messages) if message.get("weight") == 0}
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]  # the template sees no weights
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i < first_trained or i in untrained:
-            continue
+    targets = [
+        i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first_trained and i not in untrained
+    ]
+    for i in targets:
         before = render(tokenizer, messages[:i], add_generation_prompt=True)
         after = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        if not (before.startswith(done) and after.startswith(before)):
-            raise DatasetError("the chat template does not render conversations turn by turn (a later turn "
-                               "rewrites an earlier one), so the assistant's tokens cannot be told apart")  # fmt: skip
+        if not (before.startswith(done) and after.startswith(before)):  # a later turn rewrites an earlier one
+            return encode_rendered(tokenizer, messages, targets)
         add(before[len(done) :], False)
         start = len(ids)
         add(after[len(before) :], True)
@@ -141,6 +143,75 @@ def encode_conversation(
     if whole.startswith(done) and whole[len(done) :]:
         add(whole[len(done) :], False)
     return ids, trained
+
+
+def encode_rendered(
+    tokenizer: PreTrainedTokenizerBase, messages: list[Message], targets: list[int]
+) -> tuple[list[int], list[bool]]:
+    """Token ids of the conversation rendered once, whole, and which are trained: the turns of the assistant
+    messages ``targets``, as that rendering writes them (TRL trains the same text, marked by the template's
+    ``{% generation %}`` blocks where it has them).
+
+    Each turn is found without help from the template: its content is where the rendering changes when only that
+    message's content does; the turn starts where the generation prompt before it ends (when rendering up to it
+    with the generation prompt gives the start of the whole, else with its content) and ends with what the template
+    writes after the content of a last message (``<|im_end|>``, ``<|end|>``), as far as the whole rendering writes
+    it too. The last trained turn ends with EOS (added when the template does not write it).
+    """
+    whole = render(tokenizer, messages, add_generation_prompt=False)
+    spans: list[tuple[int, int]] = []
+    for i in targets:
+        start, end = _content_span(tokenizer, messages, i, whole)
+        prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
+        if whole.startswith(prompt) and len(prompt) <= start:
+            start = len(prompt)
+        last = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        closing = last[_content_span(tokenizer, messages[: i + 1], i, last)[1] :]  # e.g. "<|im_end|>\n"
+        end += max(cut for cut in _token_ends(tokenizer, closing) if whole.startswith(closing[:cut], end))
+        if spans and start < spans[-1][1]:
+            raise DatasetError(f"the chat template writes assistant message {i} inside the one before it")
+        spans.append((start, end))
+    ids: list[int] = []
+    trained: list[bool] = []
+    position = 0
+    for start, end in spans:
+        for text, is_trained in ((whole[position:start], False), (whole[start:end], True)):
+            new = text_ids(tokenizer, text)
+            ids.extend(new)
+            trained.extend([is_trained] * len(new))
+        position = end
+    if tokenizer.eos_token_id not in text_ids(tokenizer, whole[spans[-1][0] : spans[-1][1]]):
+        ids.append(tokenizer.eos_token_id)
+        trained.append(True)
+    tail = text_ids(tokenizer, whole[position:])
+    return ids + tail, trained + [False] * len(tail)
+
+
+def _token_ends(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """0 and the offsets in ``text`` where its tokens end (every offset when the tokenizer cannot tell)."""
+    try:
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    except NotImplementedError:  # a slow tokenizer
+        return list(range(len(text) + 1))
+    return [0, *(end for _, end in offsets)]
+
+
+def _content_span(
+    tokenizer: PreTrainedTokenizerBase, messages: list[Message], i: int, rendered: str
+) -> tuple[int, int]:
+    """Where ``rendered`` (``messages`` rendered without the generation prompt) holds what message ``i``'s content
+    became: the part that changes when that content is replaced by a character found nowhere in it."""
+    marker = next(c for c in "\ue000\ue001\ue002\ue003" if c not in rendered)
+    swapped = render(tokenizer, [*messages[:i], {**messages[i], "content": marker}, *messages[i + 1 :]], False)
+    start = 0
+    while start < min(len(rendered), len(swapped)) and rendered[start] == swapped[start]:
+        start += 1
+    end = 0
+    while end < min(len(rendered), len(swapped)) - start and rendered[-1 - end] == swapped[-1 - end]:
+        end += 1
+    if marker not in swapped[start : len(swapped) - end]:
+        raise DatasetError(f"the chat template does not write the content of assistant message {i}")
+    return start, len(rendered) - end
 
 
 def encode_completion(

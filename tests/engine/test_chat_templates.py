@@ -1,0 +1,82 @@
+"""Chat rows rendered by the chat templates of real models (tests/chat_templates.py): Qwen3's and Phi-3's
+multi-turn conversations, whose shorter renderings are not the start of the longer ones."""
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.data import encode_conversation, encode_rendered
+from tests.chat_templates import TEMPLATES, chat_tokenizer
+from tests.engine.helpers import make_spec, train
+from tests.models import build_model, build_tokenizer, chat_rows, write_jsonl
+
+THINKING = [
+    {"role": "system", "content": "You finish short movie reviews."},
+    {"role": "user", "content": "Finish this review: the film was"},
+    {"role": "assistant", "content": "<think>\nit was good\n</think>\n\ngreat fun ."},
+    {"role": "user", "content": "Now a negative one: the plot was"},
+    {"role": "assistant", "content": "dull ."},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PreTrainedTokenizerBase]:
+    """Every template's tokenizer, and the tests' ChatML one (``chatml``)."""
+    root = tmp_path_factory.mktemp("templates")
+    found = {name: AutoTokenizer.from_pretrained(chat_tokenizer(name, root / name)) for name in TEMPLATES}
+    return {**found, "chatml": AutoTokenizer.from_pretrained(build_tokenizer(root / "chatml"))}
+
+
+def trained_texts(tokenizer: PreTrainedTokenizerBase, ids: list[int], trained: list[bool]) -> list[str]:
+    """The decoded stretches of trained tokens, in order."""
+    texts: list[str] = []
+    for i, (token, flag) in enumerate(zip(ids, trained, strict=True)):
+        if flag and i > 0 and trained[i - 1]:
+            texts[-1] += tokenizer.decode([token])
+        elif flag:
+            texts.append(tokenizer.decode([token]))
+    return texts
+
+
+@pytest.mark.parametrize(
+    ("name", "turns"),
+    [
+        # Qwen3 drops the reasoning of an earlier turn, and writes an empty <think> block in the last one
+        ("qwen3", ["great fun .<|im_end|>\n", "<think>\n\n</think>\n\ndull .<|im_end|>\n"]),
+        # Phi-3 ends the conversation with EOS, which the rendering of its first turn alone ends with too
+        ("phi3", ["<think>\nit was good\n</think>\n\ngreat fun .<|end|>\n", "dull .<|end|>\n<|endoftext|>"]),
+    ],
+)
+def test_multi_turn_conversations_train_each_turn_as_the_whole_rendering_writes_it(tokenizers, name, turns):
+    tokenizer = tokenizers[name]
+    ids, trained = encode_conversation(tokenizer, THINKING)
+    whole = tokenizer.apply_chat_template(THINKING, tokenize=False)
+    assert tokenizer.decode(ids) == whole
+    assert trained_texts(tokenizer, ids, trained) == turns
+
+
+def test_a_weight_0_turn_stays_untrained_in_the_whole_rendering(tokenizers):
+    tokenizer = tokenizers["qwen3"]
+    weighted = [*THINKING[:2], {**THINKING[2], "weight": 0}, *THINKING[3:]]
+    ids, trained = encode_conversation(tokenizer, weighted)
+    assert ids == encode_conversation(tokenizer, THINKING)[0]
+    assert trained_texts(tokenizer, ids, trained) == ["<think>\n\n</think>\n\ndull .<|im_end|>\n"]
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3.1", "smollm3", "granite"])
+def test_the_whole_rendering_trains_what_turn_by_turn_trains_where_both_apply(tokenizers, name):
+    tokenizer = tokenizers[name]
+    assert encode_rendered(tokenizer, THINKING, [2, 4]) == encode_conversation(tokenizer, THINKING)
+    assert encode_rendered(tokenizer, THINKING, [4]) == encode_conversation(tokenizer, THINKING, first_trained=3)
+
+
+def test_sft_trains_qwen3_multi_turn_rows(tmp_path: Path):
+    model = build_model("qwen2", tmp_path / "qwen3", tokenizer=chat_tokenizer("qwen3", tmp_path / "tokenizer"))
+    rows = [row for row in chat_rows("sft_messages", 64) if len(row["messages"]) >= 4][:8]
+    dataset = write_jsonl(rows, tmp_path / "multi_turn.jsonl")
+    spec = make_spec("sft", model=model, dataset=str(dataset), hyperparameters={"max_steps": 2, "batch_size": 4})
+    result, recorder = train(spec, tmp_path / "job")
+    assert (result.status, result.step) == ("succeeded", 2)
+    assert sorted(recorder.metrics) == [1, 2]
+    assert all(m["loss/sft"] > 0 for m in recorder.metrics.values())
