@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from engine import builtin
@@ -78,18 +79,49 @@ def render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], add_gene
     of the assistant's turn)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateMissingError("chat messages need a tokenizer with a chat template, and this one has none")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except TemplateError as e:  # the template's own raise_exception, e.g. Gemma's "System role not supported"
+        roles = ", ".join(m["role"] for m in messages)
+        raise DatasetError(f"the model's chat template refused messages of roles ({roles}): {e}") from None
     assert isinstance(text, str)
     return text
 
 
 def require_chat_template(tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]], field: str) -> None:
-    """Refuse chat rows up front when the tokenizer cannot render them (``field``: the spec field they came from)."""
-    if any(is_chat(row) for row in rows) and not getattr(tokenizer, "chat_template", None):
+    """Refuse chat rows up front when the tokenizer cannot render them (``field``: the spec field they came from):
+    it has no chat template, or the template refuses a row (rendered once per sequence of roles, which is what
+    templates check: Gemma refuses a system turn, others turns that do not alternate); the error names the row."""
+    if not any(is_chat(row) for row in rows):
+        return
+    if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateMissingError(
             f"{field}: the rows are chat messages, and the model's tokenizer has no chat template to render them "
             "with; use plain-text rows, or a model whose tokenizer has a chat template"
         )
+    rendered: set[tuple[tuple[str, ...], bool]] = set()
+    for number, row in enumerate(rows, start=1):
+        for messages, generation in chat_renderings(row):
+            roles = tuple(m["role"] for m in messages)
+            if (roles, generation) not in rendered:
+                rendered.add((roles, generation))
+                try:
+                    render(tokenizer, messages, add_generation_prompt=generation)
+                except DatasetError as e:
+                    raise DatasetError(f"{field} row {number}: {e}") from None
+
+
+def chat_renderings(row: dict[str, Any]) -> list[tuple[list[Message], bool]]:
+    """The conversations a valid chat row is rendered as in training, each with whether it ends with the generation
+    prompt: a prompt alone does, the others are whole conversations (a plain-text row: none)."""
+    if "messages" in row:
+        return [([{"role": m["role"], "content": m["content"]} for m in row["messages"]], False)]
+    if not is_chat(row):
+        return []
+    if "prompt" not in row:  # implicit-prompt preference rows: two whole conversations
+        return [(row["chosen"], False), (row["rejected"], False)]
+    answers = [row[field] for field in ("completion", "chosen", "rejected") if field in row]
+    return [([*row["prompt"], *answer], False) for answer in answers] or [(row["prompt"], True)]
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: Text) -> list[int]:

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.data import encode_conversation, encode_rendered
+from engine.data import DatasetError, encode_conversation, encode_rendered, prompt_ids
+from jobs.runner import error_code
 from tests.chat_templates import TEMPLATES, chat_tokenizer
 from tests.engine.helpers import make_spec, train
 from tests.models import build_model, build_tokenizer, chat_rows, write_jsonl
@@ -80,3 +81,21 @@ def test_sft_trains_qwen3_multi_turn_rows(tmp_path: Path):
     assert (result.status, result.step) == ("succeeded", 2)
     assert sorted(recorder.metrics) == [1, 2]
     assert all(m["loss/sft"] > 0 for m in recorder.metrics.values())
+
+
+def test_a_template_that_refuses_a_row_fails_the_job_as_dataset_invalid_naming_the_row(tmp_path: Path):
+    model = build_model("llama", tmp_path / "gemma2", tokenizer=chat_tokenizer("gemma2", tmp_path / "tokenizer"))
+    rows = chat_rows("sft_messages", 16)
+    first_system = next(n for n, row in enumerate(rows, start=1) if row["messages"][0]["role"] == "system")
+    dataset = write_jsonl(rows, tmp_path / "with_system.jsonl")
+    spec = make_spec("sft", model=model, dataset=str(dataset), hyperparameters={"max_steps": 1, "batch_size": 4})
+    with pytest.raises(DatasetError) as refused:
+        train(spec, tmp_path / "job")
+    assert str(refused.value).startswith(f"dataset row {first_system}: ")
+    assert "System role not supported" in str(refused.value)
+    assert error_code(refused.value) == "dataset_invalid"
+
+
+def test_a_template_error_while_encoding_is_a_dataset_error(tokenizers):
+    with pytest.raises(DatasetError, match="refused messages of roles \\(system, user\\): System role not supported"):
+        prompt_ids(tokenizers["gemma2"], THINKING[:2])
