@@ -268,6 +268,9 @@ def truncate(ids: list[int], trained: list[bool], max_length: int) -> tuple[list
 
 
 def encode_sft_example(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any]) -> tuple[list[int], list[bool]]:
+    if "text" in row and "prompt" not in row and "messages" not in row:  # the whole text trained, then EOS
+        head, tail = special_prefix(tokenizer), [*text_ids(tokenizer, row["text"]), tokenizer.eos_token_id]
+        return head + tail, [False] * len(head) + [True] * len(tail)
     if "messages" in row:
         return encode_conversation(tokenizer, row["messages"])
     return encode_completion(tokenizer, row["prompt"], row["completion"])
