@@ -314,15 +314,38 @@ def encode_sft_batch(
     return labelled_batch([encode_sft_example(tokenizer, row) for row in rows], tokenizer.pad_token_id, max_length)
 
 
+def prompt_length_limit(lengths: Sequence[int], max_prompt_length: int | None, room: int | None) -> int:
+    """The most prompt tokens a job keeps: ``max_prompt_length`` when given, else the longest of ``lengths`` (the
+    dataset's prompts, in tokens) capped by ``room`` (the model's context minus the response length; None: no
+    cap)."""
+    if max_prompt_length is not None:
+        return max_prompt_length
+    longest = max(lengths, default=1)
+    return max(1, min(longest, room)) if room is not None else longest
+
+
+def truncation_warning(lengths: Sequence[int], limit: int, what: str, param: str) -> tuple[str, dict[str, object]]:
+    """The event of ``what`` (e.g. "prompts") longer than ``limit`` tokens, which lose their first tokens: a
+    message and ``{"param", "truncated", "of", "longest", "limit"}``; raises ValueError when none is longer."""
+    cut = [n for n in lengths if n > limit]
+    if not cut:
+        raise ValueError(f"no {what} are longer than {limit} tokens")
+    message = (f"{len(cut)} of {len(lengths)} {what} are longer than {param} ({limit} tokens; the longest has "
+               f"{max(cut)}) and keep only their last {limit} tokens")  # fmt: skip
+    return message, {"param": param, "truncated": len(cut), "of": len(lengths), "longest": max(cut), "limit": limit}
+
+
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Text], max_prompt_length: int
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Text], max_prompt_length: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and mask (B, P); long prompts keep their last tokens.
+    """Left-padded prompt ids and mask (B, P); prompts longer than ``max_prompt_length`` keep their last tokens
+    (None: every prompt whole).
 
     An empty prompt becomes the BOS token (EOS where there is none), so sampling starts unconditioned.
     """
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    ids = [prompt_ids(tokenizer, p)[-max_prompt_length:] or [start] for p in prompts]
+    whole = [prompt_ids(tokenizer, p) for p in prompts]
+    ids = [(seq[-max_prompt_length:] if max_prompt_length else seq) or [start] for seq in whole]
     length = max(map(len, ids))
     input_ids = torch.full((len(ids), length), tokenizer.pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(ids), length), dtype=torch.long)

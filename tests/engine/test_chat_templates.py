@@ -6,11 +6,19 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.data import DatasetError, encode_conversation, encode_rendered, prompt_ids
+from engine.data import (
+    DatasetError,
+    encode_conversation,
+    encode_rendered,
+    prompt_ids,
+    prompt_length_limit,
+    truncation_warning,
+)
 from jobs.runner import error_code
 from tests.chat_templates import TEMPLATES, chat_tokenizer
 from tests.engine.helpers import make_spec, train
-from tests.models import build_model, build_tokenizer, chat_rows, write_jsonl
+from tests.engine.test_grpo_train import grpo_spec
+from tests.models import build_model, build_tokenizer, chat_rows, openai_rows, write_jsonl
 
 THINKING = [
     {"role": "system", "content": "You finish short movie reviews."},
@@ -99,3 +107,41 @@ def test_a_template_that_refuses_a_row_fails_the_job_as_dataset_invalid_naming_t
 def test_a_template_error_while_encoding_is_a_dataset_error(tokenizers):
     with pytest.raises(DatasetError, match="refused messages of roles \\(system, user\\): System role not supported"):
         prompt_ids(tokenizers["gemma2"], THINKING[:2])
+
+
+def test_prompt_length_limit():
+    assert prompt_length_limit([10, 90], 64, 200) == 64  # given: kept as given
+    assert prompt_length_limit([10, 90], None, 200) == 90  # null: the longest prompt
+    assert prompt_length_limit([10, 90], None, 40) == 40  # ... capped by the context's room
+    assert prompt_length_limit([10, 90], None, None) == 90
+    message, data = truncation_warning([10, 90, 70, 30], 64, "prompts", "max_prompt_length")
+    assert data == {"param": "max_prompt_length", "truncated": 2, "of": 4, "longest": 90, "limit": 64}
+    assert message.startswith("2 of 4 prompts are longer than max_prompt_length (64 tokens; the longest has 90)")
+
+
+@pytest.mark.parametrize("max_prompt_length", [None, 16])  # None: the default
+def test_grpo_keeps_llama_31s_system_block_unless_told_to_cut_it_and_says_when_it_cuts(
+    tmp_path_factory: pytest.TempPathFactory, max_prompt_length
+):
+    root = tmp_path_factory.mktemp("llama31")
+    model = build_model("llama", root / "model", tokenizer=chat_tokenizer("llama3.1", root / "tokenizer"))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = openai_rows("reinforcement", 8)
+    longest = max(len(prompt_ids(tokenizer, row["messages"])) for row in rows)
+    assert longest > 64  # the default system block alone is longer than the former default limit
+    spec = grpo_spec(
+        model,
+        dataset=str(write_jsonl(rows, root / "prompts.jsonl")),
+        reward={"type": "python", "function": "tests.engine.test_grpo_train:mentions_positive"},
+        hyperparameters={"total_steps": 1, "batch_size": 4, "group_size": 2, "mini_batch_size": 8,
+                         "log_samples_every": 1, **({"max_prompt_length": 16} if max_prompt_length else {})},
+    )  # fmt: skip
+    _, recorder = train(spec, root / "job")
+    cut = [data for kind, _, data in recorder.events if kind == "warning" and data and "truncated" in data]
+    prompts = [sample["prompt"] for sample in recorder.samples[1]]
+    if max_prompt_length is None:
+        assert not cut
+        assert all(p.startswith("<|begin_of_text|><|start_header_id|>system") for p in prompts)
+    else:
+        assert cut == [{"param": "max_prompt_length", "truncated": 8, "of": 8, "longest": longest, "limit": 16}]
+        assert all(len(tokenizer(p, add_special_tokens=False)["input_ids"]) == 16 for p in prompts)
