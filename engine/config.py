@@ -246,8 +246,8 @@ class PPOConfig(TrainConfig):
         return {"batch_size": processes, "mini_batch_size": processes * self.gradient_accumulation_steps}
 
     def token_lengths(self) -> dict[str, tuple[str, int]]:
-        lengths = {"hyperparameters.response_length": ("max_prompt_length + response_length",
-                                                       self.max_prompt_length + self.response_length)}  # fmt: skip
+        tokens = (self.max_prompt_length or 1) + self.response_length  # null: at least a one-token prompt
+        lengths = {"hyperparameters.response_length": ("max_prompt_length + response_length", tokens)}
         if self.ptx_coef > 0:  # pretraining batches are max_length long
             lengths["hyperparameters.max_length"] = ("max_length", self.max_length)
         return lengths
@@ -264,8 +264,10 @@ class PPOConfig(TrainConfig):
     """Rollouts per optimizer step; ``batch_size`` must be a multiple of it."""
     ppo_epochs: Annotated[int, Field(ge=1, le=100)] = 2
     """Passes over each rollout batch."""
-    max_prompt_length: Annotated[int, Field(ge=1, le=131_072)] = 64
-    """Prompts longer than this are truncated from the left."""
+    max_prompt_length: Annotated[int, Field(ge=1, le=131_072)] | None = None
+    """Prompts longer than this many tokens keep their last ones, and a warning event counts them (how many, the
+    longest, the limit). None: the longest prompt of the dataset and eval dataset, capped by the model's context
+    minus ``response_length`` (a chat model's default system block alone can pass 64 tokens)."""
     response_length: Annotated[int, Field(ge=1, le=65_536)] = 24
     """Tokens sampled per response (fewer when every response stopped)."""
     temperature: Annotated[float, Field(gt=0, le=10)] = 0.7
@@ -391,8 +393,8 @@ class GRPOConfig(TrainConfig):
         return {"batch_size": processes, "mini_batch_size": processes * self.gradient_accumulation_steps}
 
     def token_lengths(self) -> dict[str, tuple[str, int]]:
-        return {"hyperparameters.response_length": ("max_prompt_length + response_length",
-                                                    self.max_prompt_length + self.response_length)}  # fmt: skip
+        tokens = (self.max_prompt_length or 1) + self.response_length  # null: at least a one-token prompt
+        return {"hyperparameters.response_length": ("max_prompt_length + response_length", tokens)}
 
     learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-5
     """Policy AdamW learning rate."""
@@ -412,8 +414,10 @@ class GRPOConfig(TrainConfig):
     ``rloo``: r - the mean of the prompt's other samples (Ahmadian et al., arXiv:2402.14740);
     ``reinforce_pp``: the return of the score and the KL rewards, whitened over the batch (Hu,
     arXiv:2501.03262); ``reinforce_pp_baseline``: the same, the group mean subtracted from the score first."""
-    max_prompt_length: Annotated[int, Field(ge=1, le=131_072)] = 64
-    """Prompts longer than this are truncated from the left."""
+    max_prompt_length: Annotated[int, Field(ge=1, le=131_072)] | None = None
+    """Prompts longer than this many tokens keep their last ones, and a warning event counts them (how many, the
+    longest, the limit). None: the longest prompt of the dataset and eval dataset, capped by the model's context
+    minus ``response_length`` (a chat model's default system block alone can pass 64 tokens)."""
     response_length: Annotated[int, Field(ge=1, le=65_536)] = 32
     """Tokens sampled per response at most (sampling ends once every response stopped)."""
     temperature: Annotated[float, Field(gt=0, le=10)] = 1.0

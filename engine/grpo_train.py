@@ -92,7 +92,9 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
 
     policy = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
     ref_policy = frozen(causal_lm(spec.model)) if spec.lora is None and cfg.kl_coef > 0 else None
-    check_fits(policy, cfg.max_prompt_length + cfg.response_length, "max_prompt_length + response_length")
+    limit = run.prompt_length(cfg.max_prompt_length, cfg.response_length, policy, [*rows, *eval_rows])
+    cfg = cfg.model_copy(update={"max_prompt_length": limit})  # null: sized from the prompts and the context
+    check_fits(policy, limit + cfg.response_length, "max_prompt_length + response_length")
     stop = callbacks.should_stop
     reward = RewardFunction(grader, tokenizer, device, cfg.dtype, stop)
     eval_reward = RewardFunction(spec.eval_reward, tokenizer, device, cfg.dtype, stop) if spec.eval_reward else reward

@@ -17,9 +17,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from engine.callbacks import Callbacks
 from engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_job_file, write_spec_file
 from engine.config import JobSpec, SFTConfig, TrainConfig
-from engine.data import load_rows, require_chat_template
+from engine.data import load_rows, prompt_ids, prompt_length_limit, require_chat_template, truncation_warning
 from engine.distributed import Ranks
-from engine.models import apply_lora, load_tokenizer
+from engine.models import apply_lora, context_length, load_tokenizer
 
 
 class NonFiniteLossError(RuntimeError):
@@ -131,6 +131,18 @@ class Run:
         for field_name, field_rows in rows.items():
             require_chat_template(tokenizer, field_rows, field_name)
         return cls(spec, out_dir, callbacks, tokenizer, ranks)
+
+    def prompt_length(
+        self, max_prompt_length: int | None, response_length: int, model: PreTrainedModel, rows: list[dict[str, Any]]
+    ) -> int:
+        """The most prompt tokens the job keeps (:func:`prompt_length_limit` of the ``rows``' prompts, room left
+        for ``response_length`` in ``model``'s context); a warning event counts the prompts cut to it."""
+        lengths = [len(prompt_ids(self.tokenizer, row["prompt"])) for row in rows]
+        context = context_length(model)
+        limit = prompt_length_limit(lengths, max_prompt_length, None if context is None else context - response_length)
+        if any(n > limit for n in lengths):
+            self.callbacks.on_event("warning", *truncation_warning(lengths, limit, "prompts", "max_prompt_length"))
+        return limit
 
     def load_trained(
         self,

@@ -151,7 +151,9 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
             "the reward model's tokenizer, and the critic starts from the policy",
             {"reward_model": spec.reward_model},
         )
-    check_fits(policy, cfg.max_prompt_length + cfg.response_length, "max_prompt_length + response_length")
+    limit = run.prompt_length(cfg.max_prompt_length, cfg.response_length, policy, [*prompt_rows, *eval_rows])
+    cfg = cfg.model_copy(update={"max_prompt_length": limit})  # null: sized from the prompts and the context
+    check_fits(policy, limit + cfg.response_length, "max_prompt_length + response_length")
     if ptx_rows:
         check_fits(policy, cfg.max_length, "hyperparameters.max_length")
     policy_params = [p for p in policy.parameters() if p.requires_grad]

@@ -4,10 +4,12 @@ A dataset's kind says what its rows hold, whichever job reads them (a preference
 and DPO alike). Each kind takes plain-string rows and TRL's conversational rows (lists of ``{"role", "content"}``
 messages, https://huggingface.co/docs/trl/dataset_formats):
 
-- ``sft``: ``{"prompt": str, "completion": str}``; ``{"messages": [...]}`` (the loss on every assistant turn);
-  ``{"prompt": [...], "completion": [...]}`` (the loss on the completion's messages).
+- ``sft``: ``{"prompt": str, "completion": str}``; ``{"text": str}`` (the loss on the whole text);
+  ``{"messages": [...]}`` (the loss on every assistant turn); ``{"prompt": [...], "completion": [...]}`` (the
+  loss on the completion's messages).
 - ``preference``: ``{"prompt": str, "chosen": str, "rejected": str}``; the same with message lists; or only
-  ``{"chosen": [...], "rejected": [...]}``, two whole conversations whose common first messages are the prompt.
+  ``{"chosen": [...], "rejected": [...]}``, two whole conversations whose common first messages are the prompt
+  (plain strings: their common first words).
 - ``prompts``: ``{"prompt": str}`` or ``{"prompt": [...]}`` (rendered with the generation prompt).
 
 ``rm`` and ``ppo``, the kinds' names before there were more job types than kinds, stay accepted as aliases.
@@ -19,6 +21,9 @@ fine-tuning), made one of the rows above by :func:`validate_row`:
 - ``preference``: DPO's ``{"input": {"messages": [...]}, "preferred_output": [...], "non_preferred_output": [...]}``
   → ``{"prompt", "chosen", "rejected"}``.
 - ``prompts``: reinforcement's ``{"messages": [...], ...}`` (the conversation to answer) → ``{"prompt": [...]}``.
+
+ShareGPT rows (``{"conversations": [{"from": "human" | "gpt" | "system", "value": str}, ...]}``, preferences with
+``chosen`` and ``rejected`` answers ``{"from": "gpt", "value"}``) are made message rows of each kind.
 
 A file uploaded with ``purpose: "fine-tune"`` holds one of these; :func:`fine_tune_kind` tells which from a row.
 
@@ -91,6 +96,12 @@ def validate_row(row: object, kind: str, line: int) -> dict[str, Any]:
     kind = dataset_kind(kind)
     if not isinstance(row, dict):
         raise DatasetError(f"line {line}: expected a JSON object, got {type(row).__name__}")
+    if "conversations" in row and "messages" not in row and "prompt" not in row:
+        return _from_sharegpt(row, kind, line)
+    if kind == "sft" and "text" in row and not any(field in row for field in ("messages", *ROW_FIELDS["sft"])):
+        if not isinstance(row["text"], str) or not row["text"]:
+            raise DatasetError(f"line {line}: field 'text' must be a non-empty string")
+        return row  # TRL's language-modelling rows: the loss on the whole text
     if kind == "sft" and "messages" in row:
         messages = _messages(row["messages"], line, "messages", weighted=True)
         if not any(m["role"] == "assistant" and m.get("weight", 1) for m in messages):
@@ -104,6 +115,8 @@ def validate_row(row: object, kind: str, line: int) -> dict[str, Any]:
     if kind == "preference" and "prompt" not in row and isinstance(row.get("chosen"), list):
         split_prompt(row, line)  # the implicit-prompt form
         return row
+    if kind == "preference" and "prompt" not in row and isinstance(row.get("chosen"), str):
+        return {**row, **_split_text_prompt(row, line)}
     fields = ROW_FIELDS[kind]
     if isinstance(row.get("prompt"), list):  # conversational: every field a list of messages
         for field in fields:
@@ -131,6 +144,57 @@ def split_prompt(row: dict[str, Any], line: int = 0) -> tuple[list[Message], lis
         if messages[-1]["role"] != "assistant":
             raise DatasetError(f"line {line}: field {field!r} must end with an assistant message")
     return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+"""ShareGPT's ``from`` → the message's ``role``."""
+
+
+def _from_sharegpt(row: dict[str, Any], kind: str, line: int) -> dict[str, Any]:
+    """A ShareGPT row (``{"conversations": [{"from", "value"}, ...]}``; preferences with ``chosen`` and
+    ``rejected`` answers ``{"from": "gpt", "value"}``, as LLaMA-Factory reads them) as a row of messages."""
+
+    def messages(value: object, field: str) -> list[Message]:
+        items = value if isinstance(value, list) else [value]
+        converted = []
+        for i, item in enumerate(items):
+            if not (
+                isinstance(item, dict) and item.get("from") in SHAREGPT_ROLES and isinstance(item.get("value"), str)
+            ):
+                raise DatasetError(
+                    f'line {line}: field {field!r} item {i}: a ShareGPT row\'s turns are {{"from": str, "value": str}} '
+                    f"with 'from' one of {', '.join(SHAREGPT_ROLES)}"
+                )
+            converted.append({"role": SHAREGPT_ROLES[item["from"]], "content": item["value"]})
+        return _messages(converted, line, field)
+
+    turns = messages(row["conversations"], "conversations")
+    rest = {k: v for k, v in row.items() if k not in ("conversations", "chosen", "rejected")}
+    if kind == "preference":
+        return validate_row(
+            {"prompt": turns, "chosen": messages(row.get("chosen"), "chosen"),
+             "rejected": messages(row.get("rejected"), "rejected"), **rest}, kind, line
+        )  # fmt: skip
+    return validate_row({("messages" if kind == "sft" else "prompt"): turns, **rest}, kind, line)
+
+
+def _split_text_prompt(row: dict[str, Any], line: int) -> dict[str, str]:
+    """The prompt, chosen and rejected of an implicit-prompt preference row of plain strings: the prompt is the text
+    both share from the start, up to the last space before they differ (TRL's ``extract_prompt`` cuts where they
+    differ; a space keeps every word whole)."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    if not (isinstance(chosen, str) and isinstance(rejected, str) and chosen and rejected):
+        raise DatasetError(f"line {line}: fields 'chosen' and 'rejected' must be non-empty strings")
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    cut = chosen.rfind(" ", 0, shared)
+    if cut <= 0:
+        raise DatasetError(
+            f"line {line}: a preference row without 'prompt' needs 'chosen' and 'rejected' to start with the same "
+            "words (the prompt) and then differ; give the prompt as 'prompt'"
+        )
+    return {"prompt": chosen[:cut], "chosen": chosen[cut:], "rejected": rejected[cut:]}
 
 
 def _from_openai_dpo(row: dict[str, Any], line: int) -> dict[str, Any]:
