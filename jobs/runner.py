@@ -42,7 +42,7 @@ from engine.graders import RewardError, RewardFunctionError, RewardServiceError,
 from engine.health import TrainingCollapseError
 from engine.hub import is_hub_id
 from engine.loop import NonFiniteLossError
-from engine.models import ModelNotFoundError
+from engine.models import IncompleteSaveError, ModelNotFoundError
 from engine.rows import ChatTemplateMissingError
 from engine.run import run_job as run_engine
 from engine.tracking import Tracker, TrackingOptions, switched_on
@@ -329,6 +329,8 @@ def error_code(error: BaseException) -> str:
         return "model_not_found"
     if problem := storage_error(error):
         return problem  # disk_full or storage_not_writable
+    if isinstance(error, IncompleteSaveError):
+        return "model_save_failed"  # a saved model that would not load back whole: the message names the weights
     if isinstance(error, NonFiniteLossError):
         return "non_finite_loss"
     if isinstance(error, RewardServiceError):
