@@ -28,10 +28,12 @@ from transformers.activations import GELUTanh, NewGELUActivation
 
 from engine import builtin
 from engine.config import LoraSpec
-from engine.hub import explain_missing, hub_kwargs
+from engine.hub import explain_missing, hub_kwargs, is_hub_id
+from engine.model_refs import TOKENIZER_FILES, model_type_saved, tokenizer_saved
 from engine.model_refs import ModelNotFoundError as ModelNotFoundError  # re-exported: callers catch it from here
 from engine.model_refs import resolve_model_ref as resolve_model_ref
 from engine.ops import chunked_logprobs, entropy_from_logits, logprobs_from_logits, position_ids_from_mask
+from engine.sequence_classification import SEQUENCE_CLASSIFICATION_TYPES
 
 
 def load_tokenizer(ref: str) -> PreTrainedTokenizerBase:
@@ -43,6 +45,13 @@ def load_tokenizer(ref: str) -> PreTrainedTokenizerBase:
         )
     else:
         path = resolve_model_ref(ref)
+        if not is_hub_id(path) and not Path(path).exists():  # else transformers answers "Repo id must be in the form"
+            raise ModelNotFoundError(f"{ref!r}: no such folder (nor a hub id: name or org/name)")
+        if Path(path).is_dir() and not tokenizer_saved(Path(path)):
+            raise ModelNotFoundError(
+                f"{ref!r} has no tokenizer: a model folder needs tokenizer.json, or tokenizer_config.json with its "
+                f"vocabulary ({', '.join(TOKENIZER_FILES[1:])})"
+            )
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, **hub_kwargs(path))
         except OSError as e:
@@ -91,6 +100,13 @@ def load_scalar_model(
         config = _tiny_config(tokenizer)
         config.num_labels = 1
         return GPT2ForSequenceClassification(config)
+    folder = Path(resolve_model_ref(ref))
+    model_type = model_type_saved(folder) if folder.is_dir() else None
+    if model_type is not None and model_type not in SEQUENCE_CLASSIFICATION_TYPES:
+        raise RewardModelError(
+            f"{ref!r} is a {model_type} model, and transformers has no sequence-classification class for "
+            f"{model_type}: it cannot be a reward model or critic"
+        )
     model, info = _from_pretrained(AutoModelForSequenceClassification, ref, num_labels=1, output_loading_info=True)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id

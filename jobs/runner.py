@@ -416,8 +416,10 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
     # 2. the spec, with job: and file- references turned into paths
     try:
         submitted, spec = in_transaction(settings.resolved_database_url, lambda s: _specs(s, job_id, settings))
-    except (refs.SpecReferenceError, ValidationError) as e:
-        return _failure("invalid_spec", format_errors(e) if isinstance(e, ValidationError) else str(e))
+    except refs.SpecReferenceError as e:  # a model folder gone since submit is still model_not_found
+        return _failure("model_not_found" if e.code == "model_not_found" else "invalid_spec", str(e))
+    except ValidationError as e:
+        return _failure("invalid_spec", format_errors(e))
     log.info("job %s: %s job starting in %s", job_id, spec.type, out_dir)
     if settings.hub_downloads and not hub_constants.HF_HUB_OFFLINE:
         try:
