@@ -55,3 +55,24 @@ def context_saved(folder: Path) -> int | None:
         if isinstance(config.get(name), int):
             return int(config[name])
     return None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer.tiktoken")
+"""Files that hold a tokenizer's vocabulary: ``tokenizer.json`` (a fast tokenizer, what ``save_pretrained``
+writes), or the vocabulary of a slow one beside its ``tokenizer_config.json`` (SentencePiece ``tokenizer.model`` or
+``spiece.model``, BPE ``vocab.json`` with ``merges.txt``, WordPiece ``vocab.txt``, tiktoken)."""
+
+
+def tokenizer_saved(folder: Path) -> bool:
+    """Whether ``folder`` holds a tokenizer's vocabulary (one of :data:`TOKENIZER_FILES`)."""
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def model_type_saved(folder: Path) -> str | None:
+    """The ``model_type`` of the config saved in ``folder`` (``llama``, ``granite``...), when it says."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return model_type if isinstance(model_type, str) else None

@@ -4,6 +4,9 @@ A model reference is ``builtin:tiny``, a hub id, a local Hugging Face directory,
 output folder (its final checkpoint), or a checkpoint folder ``.../checkpoints/step-N``.
 """
 
+import copy
+import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,10 +28,12 @@ from transformers.activations import GELUTanh, NewGELUActivation
 
 from engine import builtin
 from engine.config import LoraSpec
-from engine.hub import explain_missing, hub_kwargs
+from engine.hub import explain_missing, hub_kwargs, is_hub_id
+from engine.model_refs import TOKENIZER_FILES, model_type_saved, tokenizer_saved
 from engine.model_refs import ModelNotFoundError as ModelNotFoundError  # re-exported: callers catch it from here
 from engine.model_refs import resolve_model_ref as resolve_model_ref
 from engine.ops import chunked_logprobs, entropy_from_logits, logprobs_from_logits, position_ids_from_mask, stop_ids
+from engine.sequence_classification import SEQUENCE_CLASSIFICATION_TYPES
 
 
 def load_tokenizer(ref: str) -> PreTrainedTokenizerBase:
@@ -40,6 +45,13 @@ def load_tokenizer(ref: str) -> PreTrainedTokenizerBase:
         )
     else:
         path = resolve_model_ref(ref)
+        if not is_hub_id(path) and not Path(path).exists():  # else transformers answers "Repo id must be in the form"
+            raise ModelNotFoundError(f"{ref!r}: no such folder (nor a hub id: name or org/name)")
+        if Path(path).is_dir() and not tokenizer_saved(Path(path)):
+            raise ModelNotFoundError(
+                f"{ref!r} has no tokenizer: a model folder needs tokenizer.json, or tokenizer_config.json with its "
+                f"vocabulary ({', '.join(TOKENIZER_FILES[1:])})"
+            )
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, **hub_kwargs(path))
         except OSError as e:
@@ -135,6 +147,13 @@ def load_scalar_model(
         config = _tiny_config(tokenizer)
         config.num_labels = 1
         return GPT2ForSequenceClassification(config)
+    folder = Path(resolve_model_ref(ref))
+    model_type = model_type_saved(folder) if folder.is_dir() else None
+    if model_type is not None and model_type not in SEQUENCE_CLASSIFICATION_TYPES:
+        raise RewardModelError(
+            f"{ref!r} is a {model_type} model, and transformers has no sequence-classification class for "
+            f"{model_type}: it cannot be a reward model or critic"
+        )
     model, info = _from_pretrained(AutoModelForSequenceClassification, ref, num_labels=1, output_loading_info=True)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -362,7 +381,8 @@ def folded_adapters(model: torch.nn.Module) -> Iterator[None]:
     passes (the adapters get no gradient while folded), nor around ``disable_adapter`` (which would unfold them).
 
     The base weights are copied before folding and copied back after, never subtracted again, so folding any
-    number of times leaves them bit-identical. A model without adapters is left as it is.
+    number of times leaves them bit-identical. A model without adapters is left as it is. An adapted parameter
+    that is no layer's ``weight`` (the fused experts of an MoE, :func:`adapted_parameter`) is folded the same way.
     """
     if not is_lora(model):  # type: ignore[arg-type]
         yield
@@ -370,7 +390,7 @@ def folded_adapters(model: torch.nn.Module) -> Iterator[None]:
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer) and not m.merged]
-    weights: list[torch.Tensor] = [layer.get_base_layer().weight for layer in layers]  # type: ignore[misc]
+    weights = [adapted_parameter(layer) for layer in layers]
     with torch.no_grad():
         saved = [weight.detach().clone() for weight in weights]
         for layer in layers:
@@ -384,27 +404,45 @@ def folded_adapters(model: torch.nn.Module) -> Iterator[None]:
                 layer.merged_adapters.clear()
 
 
+def adapted_parameter(layer: torch.nn.Module) -> torch.Tensor:
+    """The base parameter a peft LoRA layer adapts: its base layer's ``weight``, or for a ``ParamWrapper`` (peft's
+    LoRA on a bare parameter, such as the 3-D ``gate_up_proj`` of transformers 5's fused MoE experts, which have
+    no ``weight``) the parameter it names."""
+    from peft.tuners.lora import ParamWrapper
+
+    param = layer.get_param() if isinstance(layer, ParamWrapper) else layer.get_base_layer().weight  # type: ignore[operator]
+    assert isinstance(param, torch.Tensor)
+    return param
+
+
+def base_name(name: str) -> str:
+    """A module or parameter name of a peft model's base model without peft's ``base_layer`` levels, as the model
+    has it without adapters: ``mlp.experts.base_layer.base_layer.down_proj`` (two nested ``ParamWrapper``) →
+    ``mlp.experts.down_proj``."""
+    return re.sub(r"\.base_layer(?=\.|$)", "", name)
+
+
 def merged_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The base model's weights with the adapters folded in, under the base model's own names.
 
-    Computed on the side (W + ΔW per adapted layer) so the training weights are never touched.
+    Computed on the side (W + ΔW per adapted parameter) so the training weights are never touched.
     """
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
     base = model.get_base_model()  # type: ignore[operator]
-    deltas = {
-        name: module.get_delta_weight(module.active_adapters[0])
-        for name, module in base.named_modules()
-        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")
-    }
+    deltas: dict[str, torch.Tensor] = {}  # the adapted parameter's own name → ΔW, of its shape
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and module.active_adapters[0] in module.lora_A:
+            param = module.parameter_name if isinstance(module, ParamWrapper) else "weight"
+            deltas[base_name(f"{name}.{param}")] = module.get_delta_weight(module.active_adapters[0])  # type: ignore[attr-defined]
     merged = {}
     for key, value in base.state_dict().items():
         if ".lora_" in key or ".original_module." in key:
             continue
-        if ".base_layer." in key:
-            module_name, param = key.split(".base_layer.")
-            if param == "weight" and module_name in deltas:
-                value = value + deltas[module_name].to(value.dtype)
-            key = f"{module_name}.{param}"
-        merged[key.replace(".modules_to_save.default.", ".")] = value.detach().cpu().clone()
+        key = base_name(key).replace(".modules_to_save.default.", ".")
+        if key in deltas:
+            value = value + deltas[key].to(value.dtype)
+        merged[key] = value.detach().cpu().clone()
     return merged
 
 
@@ -419,7 +457,68 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path:
         model.save_pretrained(path.parent / "adapters" / path.name)
     else:
         model.save_pretrained(path)
+    check_saved(model, path)
     tokenizer.save_pretrained(path)
+
+
+class IncompleteSaveError(RuntimeError):
+    """A saved model whose weight files do not hold the model's weights under its own names: loaded back, the
+    missing ones would start random and the extra ones be ignored."""
+
+
+def saved_tensor_names(path: Path) -> set[str]:
+    """The tensor names of the safetensors weights in ``path``, from the index or the files' headers (no tensor
+    is read)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def check_saved(model: PreTrainedModel, path: Path) -> None:
+    """Raise :class:`IncompleteSaveError` unless the weights saved in ``path`` are, under the names loading gives
+    them, exactly the weights of ``model``'s architecture (with LoRA: its base model's, adapters merged): each
+    tied group once at least, nothing else.
+
+    The names to expect come from the architecture built empty (on the meta device, from ``model``'s config),
+    not from the model saved, and the saved names are renamed the way ``from_pretrained`` renames them
+    (transformers 5 saves some architectures in their original layout, e.g. Qwen3-MoE's experts one by one,
+    and fuses them again on load): only the headers are read, no second model is loaded.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    base = model.get_base_model() if is_lora(model) else model  # type: ignore[operator]
+    with torch.device("meta"):
+        empty = type(base)(copy.deepcopy(base.config))
+    expected = empty.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}  # one tensor (tied weights share one) → its names
+    for name, tensor in expected.items():
+        groups.setdefault(id(tensor), []).append(name)
+    transforms = get_model_conversion_mapping(empty)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    loaded = set()
+    for name in saved_tensor_names(path):
+        renamed, _ = rename_source_key(name, renamings, converters, empty.base_model_prefix, expected)
+        loaded.add(renamed if renamed in expected or name not in expected else name)
+    missing = [names[0] for names in groups.values() if not loaded.intersection(names)]
+    extra = sorted(loaded - set(expected))
+    if missing or extra:
+        raise IncompleteSaveError(
+            f"the {base.config.model_type} model saved in {path.name} would not load back whole: "
+            + "; ".join(
+                f"{what} {len(names)} weights ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                for what, names in (("missing", sorted(missing)), ("unexpected", extra))
+                if names
+            )
+        )
 
 
 def context_length(model: PreTrainedModel) -> int | None:

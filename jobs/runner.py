@@ -42,7 +42,7 @@ from engine.graders import RewardError, RewardFunctionError, RewardServiceError,
 from engine.health import TrainingCollapseError
 from engine.hub import is_hub_id
 from engine.loop import NonFiniteLossError
-from engine.models import ModelNotFoundError
+from engine.models import IncompleteSaveError, ModelNotFoundError
 from engine.rows import ChatTemplateMissingError
 from engine.run import run_job as run_engine
 from engine.tracking import Tracker, TrackingOptions, quiet_environment, switched_on
@@ -337,6 +337,8 @@ def error_code(error: BaseException) -> str:
         return "model_not_found"
     if problem := storage_error(error):
         return problem  # disk_full or storage_not_writable
+    if isinstance(error, IncompleteSaveError):
+        return "model_save_failed"  # a saved model that would not load back whole: the message names the weights
     if isinstance(error, NonFiniteLossError):
         return "non_finite_loss"
     if isinstance(error, RewardServiceError):
@@ -424,8 +426,10 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
     # 2. the spec, with job: and file- references turned into paths
     try:
         submitted, spec = in_transaction(settings.resolved_database_url, lambda s: _specs(s, job_id, settings))
-    except (refs.SpecReferenceError, ValidationError) as e:
-        return _failure("invalid_spec", format_errors(e) if isinstance(e, ValidationError) else str(e))
+    except refs.SpecReferenceError as e:  # a model folder gone since submit is still model_not_found
+        return _failure("model_not_found" if e.code == "model_not_found" else "invalid_spec", str(e))
+    except ValidationError as e:
+        return _failure("invalid_spec", format_errors(e))
     log.info("job %s: %s job starting in %s", job_id, spec.type, out_dir)
     if settings.hub_downloads and not hub_constants.HF_HUB_OFFLINE:
         try:

@@ -1,6 +1,8 @@
 """The kinds of models users bring, built inside the tests: tiny random-weight Llama, Qwen2, Mistral and
-GPT-NeoX with a small byte-level BPE tokenizer that has a ChatML chat template, and small conversational
-datasets in TRL's formats. Nothing is downloaded; every model comes from its transformers config class.
+GPT-NeoX (the training matrix, ``ARCHITECTURES``) and the further architectures of ``MORE_ARCHITECTURES``
+(Qwen3, Qwen3-MoE, Gemma 2 and 3, Phi-3, OLMo 2, Granite, SmolLM3, gpt-oss) with a small byte-level BPE
+tokenizer that has a ChatML chat template, and small conversational datasets in TRL's formats. Nothing is
+downloaded; every model comes from its transformers config class.
 
     folder = build_model("qwen2", tmp_path / "qwen2")  # AutoModelForCausalLM / AutoTokenizer load it
     write_jsonl(chat_rows("preference", 16), tmp_path / "prefs.jsonl")
@@ -16,12 +18,21 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GPTNeoXConfig,
+    GptOssConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 from engine.builtin import reviews
@@ -40,11 +51,26 @@ CHAT_TEMPLATE = (
 )
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt_neox")
+"""The training matrix (tests/engine/test_byo_matrix.py trains each, in full and with LoRA)."""
+MORE_ARCHITECTURES = (
+    "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "gpt_oss",
+)  # fmt: skip
+"""Architectures users brought besides: buildable like the matrix's, checked where they differ (saving and
+loading back whole, their heads), not trained by the matrix."""
 CONFIGS: dict[str, type[PretrainedConfig]] = {
     "llama": LlamaConfig,
     "qwen2": Qwen2Config,
     "mistral": MistralConfig,
     "gpt_neox": GPTNeoXConfig,
+    "qwen3": Qwen3Config,
+    "qwen3_moe": Qwen3MoeConfig,
+    "gemma2": Gemma2Config,
+    "gemma3_text": Gemma3TextConfig,
+    "phi3": Phi3Config,
+    "olmo2": Olmo2Config,
+    "granite": GraniteConfig,
+    "smollm3": SmolLM3Config,
+    "gpt_oss": GptOssConfig,
 }
 # Shared by every architecture; GPT-NeoX has no grouped-query attention, the others get 2 KV heads.
 SIZES = {
@@ -54,7 +80,17 @@ SIZES = {
     "intermediate_size": 128,
     "max_position_embeddings": 256,
 }
-KV_HEADS = {"llama": 2, "qwen2": 2, "mistral": 2}
+KV_HEADS = {"llama": 2, "qwen2": 2, "mistral": 2, **dict.fromkeys(MORE_ARCHITECTURES, 2)}
+# What the further architectures need besides: a head size of hidden / heads where the config's default is
+# larger (Qwen3, Gemma and gpt-oss default to 128 or 256), and few, small experts for the MoE ones.
+HEAD_DIM = {"head_dim": 16}
+EXTRA: dict[str, dict[str, Any]] = {
+    "qwen3": HEAD_DIM,
+    "qwen3_moe": {**HEAD_DIM, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "gemma2": HEAD_DIM,
+    "gemma3_text": HEAD_DIM,
+    "gpt_oss": {**HEAD_DIM, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+}
 
 # The conversational datasets' wording; the tokenizer is trained on it too.
 SYSTEM_PROMPT = "You finish short movie reviews."
@@ -129,13 +165,14 @@ def build_model(
     tie_word_embeddings: bool | None = None,
     **tokenizer_options: bool,
 ) -> Path:
-    """A 2-layer, 64-dim random-weight causal LM of ``arch`` and its tokenizer, saved in ``folder``.
+    """A 2-layer, 64-dim random-weight causal LM of ``arch`` (of ``ARCHITECTURES`` or ``MORE_ARCHITECTURES``) and
+    its tokenizer, saved in ``folder``.
 
     The tokenizer is copied from ``tokenizer`` (a folder) or built with ``build_tokenizer(**tokenizer_options)``;
     embeddings stay tied or untied as the architecture's config has them unless ``tie_word_embeddings`` is given.
     """
     if arch not in CONFIGS:
-        raise ValueError(f"unknown architecture {arch!r}; expected one of {ARCHITECTURES}")
+        raise ValueError(f"unknown architecture {arch!r}; expected one of {ARCHITECTURES + MORE_ARCHITECTURES}")
     folder.mkdir(parents=True, exist_ok=True)
     if tokenizer is None:
         tokenizer = build_tokenizer(folder, **tokenizer_options)
@@ -151,6 +188,7 @@ def build_model(
     }
     if arch in KV_HEADS:
         options["num_key_value_heads"] = KV_HEADS[arch]
+    options.update(EXTRA.get(arch, {}))
     if tie_word_embeddings is not None:
         options["tie_word_embeddings"] = tie_word_embeddings
     config = CONFIGS[arch](**options)

@@ -31,8 +31,17 @@ from engine.builtin import DATASETS, TINY_CONFIG, TINY_MODEL
 from engine.config import JOB_TYPES
 from engine.graders import check_allowed, parse_grader, replace_models
 from engine.hub import is_hub_id
-from engine.model_refs import ModelNotFoundError, chat_template_saved, context_saved, resolve_model_ref
+from engine.model_refs import (
+    TOKENIZER_FILES,
+    ModelNotFoundError,
+    chat_template_saved,
+    context_saved,
+    model_type_saved,
+    resolve_model_ref,
+    tokenizer_saved,
+)
 from engine.rows import dataset_kind
+from engine.sequence_classification import SEQUENCE_CLASSIFICATION_TYPES
 from jobs.store import crud
 from jobs.store.models import LIVE_STATUSES, Job
 from jobs.store.settings import Settings
@@ -61,6 +70,7 @@ class SpecReferenceError(ValueError):
     code: str
     """``job_not_found``, ``job_not_succeeded``, ``checkpoint_not_found``, ``wrong_job_type``,
     ``file_not_found``, ``wrong_file_purpose``, ``local_path_refused``, ``hub_model_unavailable``,
+    ``model_not_found`` (no such folder), ``tokenizer_missing``, ``no_classification_head``,
     ``chat_template_missing``, ``exceeds_context`` or ``reward_not_allowed``."""
     message: str
 
@@ -83,10 +93,13 @@ def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], art
     job_type = spec["type"]
     resolved["model"] = _model(session, project_id, "model", spec["model"], model_sources(job_type), artifacts,
                                model_root, hub_downloads, pending)  # fmt: skip
+    _check_model("model", resolved["model"], JOB_TYPES[job_type].output == "reward_model")
 
     def reward_model(param: str, ref: str) -> str:
-        return _model(session, project_id, param, ref, reward_model_sources(), artifacts, model_root, hub_downloads,
+        path = _model(session, project_id, param, ref, reward_model_sources(), artifacts, model_root, hub_downloads,
                       pending)  # fmt: skip
+        _check_model(param, path, scores=True)
+        return path
 
     if spec.get("reward_model"):
         resolved["reward_model"] = reward_model("reward_model", spec["reward_model"])
@@ -236,6 +249,36 @@ def _model_folder(model: str) -> Path | None:
         return None
 
 
+def _check_model(param: str, model: str, scores: bool) -> None:
+    """What the worker would fail on, told from the resolved ``model``'s saved files when they are at hand: a local
+    model folder without a tokenizer, and (``scores``: a reward model, or a model to train one from) an
+    architecture without a sequence-classification class in transformers."""
+    folder = _model_folder(model)
+    if folder is None:
+        return
+    if not is_hub_id(model) and (folder / "config.json").is_file() and not tokenizer_saved(folder):
+        raise SpecReferenceError(
+            param,
+            "tokenizer_missing",
+            f"{folder.name!r} holds a model but no tokenizer: a model folder needs tokenizer.json, or "
+            f"tokenizer_config.json with its vocabulary ({', '.join(TOKENIZER_FILES[1:])}); save the tokenizer "
+            "there too (tokenizer.save_pretrained)",
+        )
+    model_type = model_type_saved(folder)
+    if scores and model_type is not None and model_type not in SEQUENCE_CLASSIFICATION_TYPES:
+        common = [name for name in COMMON_SCORING_TYPES if name in SEQUENCE_CLASSIFICATION_TYPES]
+        raise SpecReferenceError(
+            param,
+            "no_classification_head",
+            f"reward model: {model_type} has no sequence-classification head in transformers; architectures that "
+            f"do: {', '.join(common)} and {len(SEQUENCE_CLASSIFICATION_TYPES) - len(common)} more",
+        )
+
+
+COMMON_SCORING_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text", "phi3", "gpt2")
+"""The architectures a refused reward model's message names as examples of ones that can score."""
+
+
 def _has_chat_template(model: str) -> bool | None:
     """Whether the resolved ``model``'s tokenizer has a chat template; None when it cannot be told here."""
     if model.startswith("builtin:"):
@@ -332,7 +375,9 @@ def _local_path(param: str, ref: str, model_root: Path | None) -> str:
         raise SpecReferenceError(param, "local_path_refused", f"{ref!r} is not a usable path: {e}") from None
     if not path.is_relative_to(root):
         raise SpecReferenceError(param, "local_path_refused", f"{ref!r} is outside the model root")
-    return str(path)  # whether a model is there is for the worker to find out (model_not_found)
+    if not path.exists():
+        raise SpecReferenceError(param, "model_not_found", f"{ref!r}: no such folder under the model root")
+    return str(path)  # whether a model is in it is for the worker to find out (model_not_found)
 
 
 def _dataset(session: Session, project_id: str, param: str, ref: str, kind: str, artifacts: Path) -> tuple[str, bool]:

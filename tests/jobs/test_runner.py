@@ -15,7 +15,7 @@ from sqlalchemy.exc import OperationalError
 from engine.data import DatasetError
 from engine.health import TrainingCollapseError
 from engine.loop import NonFiniteLossError
-from engine.models import ModelNotFoundError
+from engine.models import IncompleteSaveError, ModelNotFoundError
 from engine.rows import ChatTemplateMissingError
 from jobs import runner
 from jobs.store import crud, db
@@ -359,6 +359,7 @@ def raised(f: Callable[[], None]) -> BaseException:
         ),
         (ModelNotFoundError("cannot load 'x'"), "model_not_found"),
         (raised(from_pretrained), "model_not_found"),
+        (IncompleteSaveError("the qwen3_moe model saved in policy would not load back whole"), "model_save_failed"),
         (NonFiniteLossError("loss/sft is nan at step 3"), "non_finite_loss"),
         (TrainingCollapseError("training collapse at step 8 (kl_jump); on_collapse is stop"), "training_collapse"),
         (torch.cuda.OutOfMemoryError("CUDA out of memory"), "out_of_memory"),

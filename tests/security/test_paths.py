@@ -27,6 +27,7 @@ def layout(tmp_path: Path) -> dict[str, Path]:
     root, outside = tmp_path / "models", tmp_path / "outside"
     (root / "good").mkdir(parents=True)
     (root / "good" / "config.json").write_text("{}")
+    (root / "good" / "tokenizer.json").write_text("{}")
     (root / "team" / "nested").mkdir(parents=True)
     outside.mkdir()
     (outside / "config.json").write_text("{}")
@@ -106,6 +107,7 @@ def test_a_hub_id_must_not_name_a_local_folder(
     refused(client, {**SFT_SPEC, "model": "org/../../etc"})
     # ...and with one, a folder under the root, never the one of the working directory.
     root = layout["root"]
+    (root / "org" / "name").mkdir(parents=True)
     with session_scope(settings.resolved_database_url) as session:
         spec = {**SFT_SPEC, "model": "org/name", "hyperparameters": {}}
         resolved = refs.resolve_spec(session, project_id="p", spec=spec, artifacts=root, model_root=root)
@@ -119,6 +121,7 @@ def test_a_name_under_the_model_root_is_that_folder(
     root = layout["root"]
     (root / "llama").mkdir()
     (root / "llama" / "config.json").write_text("{}")
+    (root / "llama" / "tokenizer.json").write_text("{}")
     put_in_cache(hf_cache, "llama", {"config.json": "{}"})  # a hub model of the same name does not win
     for spec in (
         {**SFT_SPEC, "model": "llama"},

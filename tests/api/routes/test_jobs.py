@@ -411,3 +411,40 @@ def test_control_actions_record_status_events(client: TestClient, project: Proje
     client.post(f"/v1/jobs/{job_id}/cancel")
     kinds = [(e["kind"], e["message"]) for e in client.get(f"/v1/jobs/{job_id}/events").json()["data"]]
     assert kinds == [("status", s) for s in ("running", "pausing", "paused", "queued", "cancelled")]
+
+
+def test_models_the_worker_could_not_use_are_refused_at_submit(
+    settings: Settings, project: Project, calls: Calls, tmp_path: Path
+) -> None:
+    """A model folder without a tokenizer, an architecture without a sequence-classification class as a reward
+    model, and a folder that does not exist: 422s naming the field, not jobs failing on a worker."""
+    for name, model_type, tokenizer in (("bare", "llama", False), ("granite", "granite", True)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"model_type": model_type}))
+        if tokenizer:
+            (tmp_path / name / "tokenizer.json").write_text("{}")
+    app = create_app(
+        settings.model_copy(update={"model_root": tmp_path}), enqueue=calls.enqueue, recovery_interval=None
+    )
+    absent = str(tmp_path / "absent")
+    cases = [
+        (
+            {**SFT_SPEC, "model": "bare"},
+            "model",
+            "tokenizer_missing",
+            "no tokenizer: a model folder needs tokenizer.json",
+        ),
+        ({**RM_SPEC, "model": "granite"}, "model", "no_classification_head", "granite has no sequence-classification"),
+        ({**PPO_SPEC, "reward_model": "granite"}, "reward_model", "no_classification_head", "architectures that do"),
+        ({**SFT_SPEC, "model": absent}, "model", "model_not_found", "no such folder under the model root"),
+        ({**PPO_SPEC, "reward_model": absent}, "reward_model", "model_not_found", "no such folder"),
+    ]
+    with TestClient(app, headers=project.headers) as client:
+        for spec, param, code, needle in cases:
+            response = client.post("/v1/jobs", json=spec)
+            assert response.status_code == 422, response.text
+            error = error_of(response)
+            assert (error["code"], error["param"]) == (code, param), spec
+            assert needle in error["message"] and len(error["message"]) < 400, error["message"]
+        assert jobs_stored(client) == []
+        assert client.post("/v1/jobs", json={**SFT_SPEC, "model": "granite"}).status_code == 201  # a policy may be
