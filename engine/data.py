@@ -267,6 +267,18 @@ def truncate(ids: list[int], trained: list[bool], max_length: int) -> tuple[list
     return ids[drop:][:max_length], trained[drop:][:max_length]
 
 
+def sequence_lengths(tokenizer: PreTrainedTokenizerBase, rows: Sequence[dict[str, Any]], kind: str) -> list[int]:
+    """The tokens each row trains on before any cut: an ``sft`` row's example, a ``preference`` row's longer
+    completion (prompt included)."""
+    if kind == "sft":
+        return [len(encode_sft_example(tokenizer, row)[0]) for row in rows]
+    lengths = []
+    for row in rows:
+        prompt, chosen, rejected = preference_parts(row)
+        lengths.append(max(len(encode_completion(tokenizer, prompt, text)[0]) for text in (chosen, rejected)))
+    return lengths
+
+
 def encode_sft_example(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any]) -> tuple[list[int], list[bool]]:
     if "text" in row and "prompt" not in row and "messages" not in row:  # the whole text trained, then EOS
         head, tail = special_prefix(tokenizer), [*text_ids(tokenizer, row["text"]), tokenizer.eos_token_id]
@@ -324,14 +336,17 @@ def prompt_length_limit(lengths: Sequence[int], max_prompt_length: int | None, r
     return max(1, min(longest, room)) if room is not None else longest
 
 
-def truncation_warning(lengths: Sequence[int], limit: int, what: str, param: str) -> tuple[str, dict[str, object]]:
-    """The event of ``what`` (e.g. "prompts") longer than ``limit`` tokens, which lose their first tokens: a
-    message and ``{"param", "truncated", "of", "longest", "limit"}``; raises ValueError when none is longer."""
+def truncation_warning(
+    lengths: Sequence[int], limit: int, what: str, param: str, kept: str = "keep only their last {limit} tokens"
+) -> tuple[str, dict[str, object]]:
+    """The event of ``what`` (e.g. "prompts") longer than ``limit`` tokens, cut as ``kept`` says (by default they
+    lose their first tokens): a message and ``{"param", "truncated", "of", "longest", "limit"}``; raises ValueError
+    when none is longer."""
     cut = [n for n in lengths if n > limit]
     if not cut:
         raise ValueError(f"no {what} are longer than {limit} tokens")
     message = (f"{len(cut)} of {len(lengths)} {what} are longer than {param} ({limit} tokens; the longest has "
-               f"{max(cut)}) and keep only their last {limit} tokens")  # fmt: skip
+               f"{max(cut)}) and {kept.format(limit=limit)}")  # fmt: skip
     return message, {"param": param, "truncated": len(cut), "of": len(lengths), "longest": max(cut), "limit": limit}
 
 

@@ -124,6 +124,7 @@ def train_dpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
 
     model = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
     check_fits(model, cfg.max_length, "hyperparameters.max_length")
+    run.warn_long_sequences([*rows, *eval_rows], cfg.max_length, "preference")
     reference = None  # with LoRA: the policy with its adapters off
     if spec.lora is None:
         reference = prepare(load_causal_lm(spec.model, tokenizer, spec.seed), device, cfg.dtype, False).eval()

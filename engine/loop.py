@@ -17,7 +17,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from engine.callbacks import Callbacks
 from engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_job_file, write_spec_file
 from engine.config import JobSpec, SFTConfig, TrainConfig
-from engine.data import load_rows, prompt_ids, prompt_length_limit, require_chat_template, truncation_warning
+from engine.data import (
+    load_rows,
+    prompt_ids,
+    prompt_length_limit,
+    require_chat_template,
+    sequence_lengths,
+    truncation_warning,
+)
 from engine.distributed import Ranks
 from engine.models import apply_lora, context_length, load_tokenizer
 
@@ -143,6 +150,15 @@ class Run:
         if any(n > limit for n in lengths):
             self.callbacks.on_event("warning", *truncation_warning(lengths, limit, "prompts", "max_prompt_length"))
         return limit
+
+    def warn_long_sequences(self, rows: list[dict[str, Any]], max_length: int, kind: str) -> None:
+        """A warning event counting the ``rows`` (of dataset ``kind``: sft or preference) longer than
+        ``max_length`` tokens, which training cuts: the prompt's start first, then the completion's end."""
+        lengths = sequence_lengths(self.tokenizer, rows, kind)
+        if any(n > max_length for n in lengths):
+            kept = "are cut to {limit} tokens (the prompt's start first, then the completion's end)"
+            event = truncation_warning(lengths, max_length, "examples", "max_length", kept)
+            self.callbacks.on_event("warning", *event)
 
     def load_trained(
         self,

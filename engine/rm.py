@@ -79,6 +79,7 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
 
     model = run.load_trained("policy", spec.model, scalar_model, "SEQ_CLS")
     check_fits(model, cfg.max_length, "hyperparameters.max_length")
+    run.warn_long_sequences([*rows, *eval_rows], cfg.max_length, "preference")
     pad_token_id = model.config.pad_token_id  # where the reward is read, as plain transformers reads it
     lm_head = lm_head_weight(model, spec.model) if cfg.lm_loss_coef > 0 else None
     params = [p for p in model.parameters() if p.requires_grad]

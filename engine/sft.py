@@ -53,6 +53,7 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
 
     model = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
     check_fits(model, cfg.max_length, "hyperparameters.max_length")
+    run.warn_long_sequences([*rows, *eval_rows], cfg.max_length, "sft")
     params = [p for p in model.parameters() if p.requires_grad]
     trained = ranks.wrap(model)  # DistributedDataParallel with several processes
     start = run.start_training(cfg, total_steps, (params, cfg.learning_rate))

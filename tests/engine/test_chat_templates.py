@@ -6,19 +6,24 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.config import JobSpec
 from engine.data import (
     DatasetError,
     encode_conversation,
     encode_rendered,
+    load_rows,
     prompt_ids,
     prompt_length_limit,
+    sequence_lengths,
     truncation_warning,
 )
+from engine.models import load_tokenizer
 from jobs.runner import error_code
 from tests.chat_templates import TEMPLATES, chat_tokenizer
 from tests.engine.helpers import make_spec, train
 from tests.engine.test_grpo_train import grpo_spec
 from tests.models import build_model, build_tokenizer, chat_rows, openai_rows, write_jsonl
+from tests.recorder import Recorder
 
 THINKING = [
     {"role": "system", "content": "You finish short movie reviews."},
@@ -145,3 +150,31 @@ def test_grpo_keeps_llama_31s_system_block_unless_told_to_cut_it_and_says_when_i
     else:
         assert cut == [{"param": "max_prompt_length", "truncated": 8, "of": 8, "longest": longest, "limit": 16}]
         assert all(len(tokenizer(p, add_special_tokens=False)["input_ids"]) == 16 for p in prompts)
+
+
+def cuts(recorder: Recorder) -> list[dict[str, object]]:
+    """The truncation warnings' data."""
+    return [data for kind, _, data in recorder.events if kind == "warning" and data and "truncated" in data]
+
+
+@pytest.mark.parametrize(
+    ("job_type", "dataset", "kind"),
+    [("sft", "builtin:reviews-sft", "sft"), ("dpo", "builtin:reviews-prefs", "preference")],
+)
+def test_sft_and_dpo_say_how_many_examples_max_length_cuts(tmp_path, job_type, dataset, kind):
+    def spec(**hyperparameters: int) -> JobSpec:
+        hyperparameters = {"max_steps": 1, "batch_size": 4, **hyperparameters}
+        return JobSpec.model_validate(
+            {"type": job_type, "model": "builtin:tiny", "dataset": dataset, "hyperparameters": hyperparameters}
+        )
+
+    _, recorder = train(spec(max_length=12), tmp_path / "job")
+    lengths = sequence_lengths(load_tokenizer("builtin:tiny"), load_rows(dataset, kind), kind)
+    truncated = sum(n > 12 for n in lengths)
+    assert truncated > 0
+    assert cuts(recorder) == [
+        {"param": "max_length", "truncated": truncated, "of": len(lengths), "longest": max(lengths), "limit": 12}
+    ]
+    # at the default (128) these short rows are whole: nothing to say
+    _, quiet = train(spec(), tmp_path / "default")
+    assert cuts(quiet) == []
