@@ -68,8 +68,9 @@ def request_seed(idempotency_key: str | None) -> int:
 
 def spec_of(body: FineTuningJobCreate, rows: int, seed: int) -> dict[str, Any]:
     """The job spec of a create request whose training file has ``rows`` rows: ``auto`` values chosen from that
-    size, ``learning_rate_multiplier`` scaling the job type's default learning rate, a checkpoint every epoch (the
-    last three kept, as OpenAI keeps them). Raises RequestError for a value this service cannot honour."""
+        size (the learning rate left to the rules of engine/auto.py, by the model's width, as ``POST /v1/jobs`` leaves
+    it), ``learning_rate_multiplier`` scaling the job type's default learning rate, a checkpoint every epoch (the
+        last three kept, as OpenAI keeps them). Raises RequestError for a value this service cannot honour."""
     method = body.method_type
     job_type = METHOD_TYPES[method]
     given = body.method_hyperparameters()
@@ -81,11 +82,10 @@ def spec_of(body: FineTuningJobCreate, rows: int, seed: int) -> dict[str, Any]:
         )
     epochs = _pick(given.n_epochs, auto_epochs(rows))
     steps_per_epoch = rows // batch_size
-    hyperparameters: dict[str, Any] = {
-        "batch_size": batch_size,
-        "learning_rate": _pick(given.learning_rate_multiplier, 1.0) * _default_lr(job_type),
-    }
-    if hyperparameters["learning_rate"] > 1:
+    hyperparameters: dict[str, Any] = {"batch_size": batch_size}
+    if given.learning_rate_multiplier is not None:  # "auto": the rate POST /v1/jobs chooses by the model's width
+        hyperparameters["learning_rate"] = given.learning_rate_multiplier * _default_lr(job_type)
+    if hyperparameters.get("learning_rate", 0) > 1:
         raise RequestError(
             f"{prefix}.learning_rate_multiplier",
             f"the learning rate would be {hyperparameters['learning_rate']:g}, more than 1 "

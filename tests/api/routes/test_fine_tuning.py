@@ -87,7 +87,9 @@ def test_supervised_job_becomes_an_sft_spec_with_auto_values(
     # 40 rows: 3 epochs would see 120 >= 100 examples; a batch is 0.2% of 40, at least 1
     chosen = job.method.supervised.hyperparameters
     assert chosen is not None
-    assert (chosen.n_epochs, chosen.batch_size, chosen.learning_rate_multiplier) == (3, 1, 1.0)
+    # the learning rate by the model's width, as POST /v1/jobs chooses it (builtin:tiny, 128 wide: 6.4e-4), read
+    # as a multiplier of sft's default (1e-3)
+    assert (chosen.n_epochs, chosen.batch_size, chosen.learning_rate_multiplier) == (3, 1, 0.64)
     assert (job.hyperparameters.n_epochs, job.hyperparameters.batch_size) == (3, 1)
 
     native = client.get(f"/v1/jobs/{job.id}").json()  # the same job, in the native API
@@ -95,7 +97,7 @@ def test_supervised_job_becomes_an_sft_spec_with_auto_values(
     assert (spec["type"], spec["name"], spec["dataset"], spec["eval_dataset"]) == ("sft", "reviews", file.id, valid.id)
     assert (spec["checkpoint_every"], spec["keep_checkpoints"], spec["seed"]) == (40, 3, 7)  # one an epoch, last 3
     hp = spec["hyperparameters"]
-    assert (hp["epochs"], hp["batch_size"], hp["learning_rate"], hp["eval_every"]) == (3, 1, 1e-3, 40)
+    assert (hp["epochs"], hp["batch_size"], hp["learning_rate"], hp["eval_every"]) == (3, 1, 6.4e-4, 40)
 
     given = oa.fine_tuning.jobs.create(
         model=model, training_file=file.id,

@@ -17,6 +17,7 @@ from jobs.store.migrate import upgrade
 from jobs.store.settings import Settings
 from tests.api.helpers import PPO_SPEC, Calls, jsonl
 from tests.factories import make_settings, new_project
+from tests.models import openai_rows
 
 
 def preference_pairs(n: int, seed: str) -> list[dict[str, str]]:
@@ -74,6 +75,7 @@ def test_a_model_folder_and_a_job_not_finished_yet_give_their_width(
     root = tmp_path / "models"
     (root / "wide").mkdir(parents=True)
     (root / "wide" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 2048}))
+    (root / "wide" / "tokenizer.json").write_text("{}")  # a folder without a tokenizer is refused at submit
     monkeypatch.setattr(settings, "model_root", root)
     prefs = upload(client, preference_pairs(240, "defaults/width"), "preference")
 
@@ -84,6 +86,15 @@ def test_a_model_folder_and_a_job_not_finished_yet_give_their_width(
     # a DPO job on the SFT job, which has not run yet: the width of the model that job starts from
     dpo = created(client, {"type": "dpo", "model": f"job:{first.json()['id']}", "dataset": prefs})
     assert dpo["learning_rate"] == 2e-6
+
+    # OpenAI's fine-tuning API at "auto" follows the same rule; its multiplier reads against the type's default
+    rows = upload(client, openai_rows("dpo", 40), "fine-tune")
+    body = {"model": "wide", "training_file": rows, "method": {"type": "dpo"}}
+    response = client.post("/v1/fine_tuning/jobs", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["method"]["dpo"]["hyperparameters"]["learning_rate_multiplier"] == 2.0  # 2e-6 / 1e-6
+    job = client.get(f"/v1/jobs/{response.json()['id']}").json()
+    assert job["spec"]["hyperparameters"]["learning_rate"] == 2e-6
 
 
 @pytest.fixture
