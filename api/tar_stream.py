@@ -8,6 +8,7 @@ The files are opened before the first byte is sent: a file removed meanwhile (a 
 renames then deletes old checkpoints) is still read whole through its open handle.
 """
 
+import io
 import os
 import tarfile
 from collections.abc import Iterator
@@ -35,6 +36,11 @@ class Member:
         file = path.open("rb")
         info = os.fstat(file.fileno())
         return cls(name=name, file=file, size=info.st_size, mtime=int(info.st_mtime))
+
+    @classmethod
+    def of_bytes(cls, name: str, data: bytes, mtime: int) -> "Member":
+        """A member whose content is ``data`` (a file rewritten for the archive)."""
+        return cls(name=name, file=io.BytesIO(data), size=len(data), mtime=mtime)
 
     def header(self) -> bytes:
         """The member's header block(s), as ``tarfile`` writes them (pax extended headers for long names)."""

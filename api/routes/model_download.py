@@ -12,6 +12,7 @@ A plain tar, not gzipped: safetensors hardly compress, and a plain tar is stream
 exact ``Content-Length`` known up front (:mod:`api.tar_stream`), without a temporary file.
 """
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated
@@ -86,7 +87,7 @@ def _archive(
     members = None
     if checkpoint is not None:
         try:
-            members = model_members(settings.resolved_artifacts_dir / checkpoint.path, root)
+            members = model_members(settings.resolved_artifacts_dir / checkpoint.path, root, job.spec["model"])
         except FileNotFoundError:  # removed by the job's checkpoint retention in the meantime
             members = None
     if not members:
@@ -108,10 +109,12 @@ def _kept(session: Session, job: Job) -> str:
     return f"; its kept checkpoints: steps {', '.join(steps)}" if steps else ""
 
 
-def model_members(checkpoint: Path, root: str) -> list[Member]:
+def model_members(checkpoint: Path, root: str, base_model: str) -> list[Member]:
     """The files of a checkpoint's model, opened, named under ``root/`` as the archive holds them: ``policy/``'s
-    at the top, the LoRA adapters' in ``adapter/``. Empty when the checkpoint has no saved model. Links are never
-    followed; raises FileNotFoundError when the checkpoint is removed while its files are opened."""
+    at the top, the LoRA adapters' in ``adapter/``, their ``adapter_config.json`` naming ``base_model`` (the job's
+    ``model`` as its spec gives it) instead of the path the worker loaded it from. Empty when the checkpoint has no
+    saved model. Links are never followed; raises FileNotFoundError when the checkpoint is removed while its files
+    are opened."""
     named = [(f"{root}/{name}", path) for name, path in regular_files(checkpoint / POLICY_DIR)]
     if not any(name == f"{root}/config.json" for name, _ in named):
         return []
@@ -119,6 +122,10 @@ def model_members(checkpoint: Path, root: str) -> list[Member]:
     members: list[Member] = []
     try:
         for name, path in named:
+            if name == f"{root}/{ADAPTER_DIR}/adapter_config.json":
+                config = {**json.loads(path.read_text()), "base_model_name_or_path": base_model}
+                members.append(Member.of_bytes(name, json.dumps(config, indent=2).encode(), int(path.stat().st_mtime)))
+                continue
             members.append(Member.open(name, path))
     except BaseException:
         for member in members:

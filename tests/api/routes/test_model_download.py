@@ -4,6 +4,7 @@ and 409 for what is not there (yet). Checkpoint folders are written here as a wo
 models downloaded through ``rlhf download``: tests/jobs/test_download.py."""
 
 import io
+import json
 import tarfile
 from pathlib import Path
 
@@ -14,7 +15,11 @@ from tests.api.helpers import Db, error_of
 from tests.factories import Project, new_project
 
 POLICY = {"config.json": b'{"model_type": "gpt2"}', "model.safetensors": b"\x01" * 3000, "tokenizer.json": b"{}"}
-ADAPTERS = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": b"\x02" * 700}
+# as peft writes it: the base model by the path the worker loaded it from, which the archive replaces
+ADAPTERS = {
+    "adapter_config.json": b'{"r": 4, "base_model_name_or_path": "worker-cache/base-model"}',
+    "adapter_model.safetensors": b"\x02" * 700,
+}
 
 
 def write_checkpoint(
@@ -67,6 +72,10 @@ def test_a_lora_jobs_model_is_its_merged_folder_with_the_adapters_beside_it(
     assert response.headers["content-disposition"] == f'attachment; filename="{job_id}.tar"'
     expected = {f"{job_id}/{name}": data for name, data in POLICY.items()}
     expected |= {f"{job_id}/adapter/{name}": data for name, data in ADAPTERS.items()}
+    # the adapters' base model is the job's model as its spec names it, not a path of the worker's
+    spec_model = client.get(f"/v1/jobs/{job_id}").json()["spec"]["model"]
+    config = {"r": 4, "base_model_name_or_path": spec_model}
+    expected[f"{job_id}/adapter/adapter_config.json"] = json.dumps(config, indent=2).encode()
     files = archive(response)
     assert files == expected  # no value model, trainer state, links, or the value model's adapters
     assert list(files) == list(expected)  # the model first, then its adapters
