@@ -30,10 +30,11 @@ DOCKER = ROOT / "docker"
 COMPOSE_FILE = DOCKER / "compose.yaml"
 ENV_EXAMPLE = DOCKER / ".env.example"
 TRAIN_ONLY = {
-    "torch", "transformers", "tokenizers", "safetensors", "numpy", "peft", "rapidfuzz", "sacrebleu", "rouge-score"
+    "torch", "transformers", "tokenizers", "safetensors", "numpy", "peft", "rapidfuzz", "sacrebleu", "rouge-score",
+    "jinja2",
 }  # fmt: skip
-"""What only training and generation import (the text-similarity graders' libraries among them, imported when a
-grader scores): the `train` extra, never in the API image."""
+"""What only training and generation import (the text-similarity graders' libraries, imported when a grader scores, and
+jinja2, which renders chat templates): the `train` extra, never in the API image."""
 TRACKING = {"tensorboard", "mlflow-skinny", "wandb"}
 """The experiment trackers' clients, imported only when a job switches one on: the `tracking` extra, in the worker
 image, never in the API image."""
