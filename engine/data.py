@@ -345,8 +345,10 @@ def truncation_warning(
     cut = [n for n in lengths if n > limit]
     if not cut:
         raise ValueError(f"no {what} are longer than {limit} tokens")
-    message = (f"{len(cut)} of {len(lengths)} {what} are longer than {param} ({limit} tokens; the longest has "
-               f"{max(cut)}) and {kept.format(limit=limit)}")  # fmt: skip
+    message = (
+        f"{len(cut)} of {len(lengths)} {what} are longer than {param} ({limit} tokens; the longest has "
+        f"{max(cut)}) and {kept.format(limit=limit)}"
+    )
     return message, {"param": param, "truncated": len(cut), "of": len(lengths), "longest": max(cut), "limit": limit}
 
 

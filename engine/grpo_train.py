@@ -252,8 +252,9 @@ def grpo_samples(
     component of ``scored`` (the whole batch's) and their ``total``."""
     rewards = {**scored.components, "total": scored.total}
     P = ex.query_responses.shape[1] - ex.mask.shape[1]
-    return logged_samples(tokenizer, ex.query_responses, ex.attention_mask, P, ex.logprobs, ex.ref_logprobs,
-                          rewards, n, stop_token_ids)  # fmt: skip
+    return logged_samples(
+        tokenizer, ex.query_responses, ex.attention_mask, P, ex.logprobs, ex.ref_logprobs, rewards, n, stop_token_ids
+    )
 
 
 def gather_samples(ex: GroupRollout, ranks: Ranks, pad_token_id: int) -> GroupRollout:

@@ -331,8 +331,17 @@ def ppo_samples(
         rewards: dict[str, Sequence[float]] = {"score": raw_scores.tolist()}
     else:
         rewards = {**graded.components, "total": graded.total}
-    return logged_samples(tokenizer, ro.query_responses, ro.attention_mask, ro.context_length, ro.logprobs,
-                          ro.ref_logprobs, rewards, n, stop_token_ids)  # fmt: skip
+    return logged_samples(
+        tokenizer,
+        ro.query_responses,
+        ro.attention_mask,
+        ro.context_length,
+        ro.logprobs,
+        ro.ref_logprobs,
+        rewards,
+        n,
+        stop_token_ids,
+    )
 
 
 def ptx_minibatch(

@@ -172,9 +172,15 @@ def _from_sharegpt(row: dict[str, Any], kind: str, line: int) -> dict[str, Any]:
     rest = {k: v for k, v in row.items() if k not in ("conversations", "chosen", "rejected")}
     if kind == "preference":
         return validate_row(
-            {"prompt": turns, "chosen": messages(row.get("chosen"), "chosen"),
-             "rejected": messages(row.get("rejected"), "rejected"), **rest}, kind, line
-        )  # fmt: skip
+            {
+                "prompt": turns,
+                "chosen": messages(row.get("chosen"), "chosen"),
+                "rejected": messages(row.get("rejected"), "rejected"),
+                **rest,
+            },
+            kind,
+            line,
+        )
     return validate_row({("messages" if kind == "sft" else "prompt"): turns, **rest}, kind, line)
 
 

@@ -146,8 +146,10 @@ def check_pending(session: Session, settings: Settings, project: Project, adding
     ``settings.max_pending_jobs`` queued and waiting ones."""
     pending = crud.count_pending(session, project_id=project.id)
     if pending + adding > settings.max_pending_jobs:
-        message = (f"the project has {pending} queued or waiting jobs, and takes at most {settings.max_pending_jobs} "
-                   "(RLHF_MAX_PENDING_JOBS): submit again once some have started, or cancel some")  # fmt: skip
+        message = (
+            f"the project has {pending} queued or waiting jobs, and takes at most {settings.max_pending_jobs} "
+            "(RLHF_MAX_PENDING_JOBS): submit again once some have started, or cancel some"
+        )
         raise ApiError(429, "too_many_pending_jobs", message)
 
 

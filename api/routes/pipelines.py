@@ -136,8 +136,9 @@ def _replayed(
         for name, stage_body in body.stages.items()
     )
     if not same:
-        raise ApiError(409, "conflict", "this Idempotency-Key was already used with a different pipeline",
-                       param="Idempotency-Key")  # fmt: skip
+        raise ApiError(
+            409, "conflict", "this Idempotency-Key was already used with a different pipeline", param="Idempotency-Key"
+        )
     if unsent := [job for job in earlier.values() if job.status == "queued" and job.sent_at is None]:
         send_created(session, settings, enqueue, unsent)  # its first request stopped before sending them
         for job in unsent:

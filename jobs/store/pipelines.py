@@ -56,9 +56,15 @@ def _release(session: Session, waiting: Sequence[Job], queued: list[tuple[str, s
         if ended:
             dependency, status = ended[0]
             message = f"job {dependency}, which this job starts from or is rewarded by, ended {status}"
-            if crud.transition(session, job_id=job.id, from_statuses=("waiting",), to="failed",
-                               finished_at=utcnow(), error_code="dependency_failed",
-                               error_message=message):  # fmt: skip
+            if crud.transition(
+                session,
+                job_id=job.id,
+                from_statuses=("waiting",),
+                to="failed",
+                finished_at=utcnow(),
+                error_code="dependency_failed",
+                error_message=message,
+            ):
                 crud.add_event(session, job_id=job.id, kind="error", message=message,
                                data={"code": "dependency_failed", "job": dependency})  # fmt: skip
                 failed.append(job.id)
