@@ -120,7 +120,7 @@ def sample(
         logits = first_logits if t == 0 else out.logits[:, -1]  # (B·G, V)
         token = sample_next(logits, temperature, top_k, top_p, generator)  # (B,)
         tokens.append(token)
-        logprobs.append(logprobs_from_logits(logits / max(temperature, 1e-7), token))
+        logprobs.append(logprobs_from_logits(logits.float() / max(temperature, 1e-7), token))
         if len(stops):
             finished |= torch.isin(token, stops)
             if finished.all():

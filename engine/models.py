@@ -291,7 +291,8 @@ def token_logprobs(
     (B, L) -> (B, L - start), (B, L - start) or None. Positions follow the mask.
 
     The model runs to its last hidden state; the logits are made from it :data:`LOGITS_CHUNK_BYTES` at a time
-    (:func:`engine.ops.chunked_logprobs`), so the (B, L, V) logits never exist at once. An architecture that
+    (:func:`engine.ops.chunked_logprobs`), so the (B, L, V) logits never exist at once; they are divided by the
+    temperature in float32, as the sampler divides them. An architecture that
     scales or caps its logits (:func:`output_layer` is None) is read through its own forward.
     ``model`` is a causal LM, or one wrapped in DistributedDataParallel or torch.compile.
     """
@@ -299,7 +300,7 @@ def token_logprobs(
     head = output_layer(model)
     if head is None:
         last = input_ids.shape[1] - start + 1
-        logits = lm_logits(model, input_ids, attention_mask, last=last)[:, :-1] / temperature  # (B, L - start, V)
+        logits = lm_logits(model, input_ids, attention_mask, last=last)[:, :-1].float() / temperature  # (B, L-start, V)
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
             ent = entropy_from_logits(logits) if entropy else None
         return logprobs_from_logits(logits, tokens), ent
@@ -314,7 +315,7 @@ def token_logprobs(
     vocab = head.weight
     assert isinstance(vocab, torch.Tensor)  # (V, H)
     chunk = max(1, LOGITS_CHUNK_BYTES // (4 * vocab.shape[0]))
-    return chunked_logprobs(lambda h: head(h) / temperature, hidden, tokens, chunk, entropy, entropy_grad)
+    return chunked_logprobs(lambda h: head(h).float() / temperature, hidden, tokens, chunk, entropy, entropy_grad)
 
 
 class ScalarHead(torch.nn.Module):
