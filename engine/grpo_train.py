@@ -27,7 +27,7 @@ from engine.callbacks import Callbacks
 from engine.config import GRPOConfig, JobSpec
 from engine.data import batch_indices, encode_prompts
 from engine.distributed import Ranks
-from engine.generate import response_texts, sample
+from engine.generate import Decoder, decode_warning, job_decoder, response_texts, sample
 from engine.graders import RewardScores, reward_metrics
 from engine.grpo import aggregate, clipped_surrogate, tied_groups, token_advantages
 from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything
@@ -101,6 +101,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
     stop_token_ids = resolve_stop_token(cfg.stop_token, policy, tokenizer)  # (): responses run to response_length
     params = [p for p in policy.parameters() if p.requires_grad]
     trained_policy = ranks.wrap(policy, compile=cfg.torch_compile)
+    decoder = job_decoder(policy, cfg.cuda_graphs, limit, cfg.batch_size * G, device, warn=decode_warning(callbacks))
 
     start = run.start_training(cfg, cfg.total_steps, (params, cfg.learning_rate))
     if start.finished:
@@ -121,7 +122,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
     def roll_out(batch_rows: list[dict[str, Any]], group: int, scorer: RewardFunction, gen: torch.Generator,
                  share: slice = slice(None)) -> tuple[GroupRollout, RewardScores]:  # fmt: skip
         return rollout(policy, ref_policy, tokenizer, batch_rows, share, group, scorer, cfg, stop_token_ids, gen,
-                       device)  # fmt: skip
+                       device, decoder)  # fmt: skip
 
     N = cfg.batch_size * G  # samples per step
     for step in range(start.step + 1, cfg.total_steps + 1):
@@ -177,6 +178,8 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
             "lr": lr,
             "grad_norm": _mean(stats["gn"]),
         })  # fmt: skip
+        if decoder is not None:  # the share of this step's decoding steps that ran compiled
+            metrics["rollout/compiled_fraction"] = decoder.compiled_fraction()
         if eval_rows and run.eval_due(step, cfg.eval_every):
             metrics.update(evaluate(roll_out, eval_rows, eval_reward, cfg, spec.seed, device))
         if result := run.end_step(step, metrics, {"policy": policy}, trainer_state):
@@ -197,6 +200,7 @@ def rollout(
     stop_token_ids: Sequence[int],
     generator: torch.Generator,
     device: torch.device,
+    decoder: Decoder | None = None,
 ) -> tuple[GroupRollout, RewardScores]:
     """``group_size`` samples of the prompts of ``rows[share]`` (this process's share of a batch), their log-probs
     under the policy (from sampling) and the reference, and their rewards. The whole batch's prompts are
@@ -205,10 +209,9 @@ def rollout(
     queries, query_mask, rows = queries[share].to(device), query_mask[share].to(device), rows[share]
     policy.eval()
     with folded_adapters(policy):  # LoRA sampling at the full model's speed
-        static = cfg.cuda_graphs and device.type == "cuda"  # CUDA graphs for the decoding steps
         raw, raw_logprobs = sample(policy, queries, query_mask, cfg.response_length, cfg.temperature,
                                    top_k=cfg.top_k, eos_token_id=stop_token_ids, generator=generator,
-                                   group_size=group_size, static_cache=static, compiled=static)  # fmt: skip
+                                   group_size=group_size, decoder=decoder)  # fmt: skip
     responses, mask, stopped = truncate_after_stop(raw, stop_token_ids, tokenizer.pad_token_id)
     P = queries.shape[1]
     query_responses = torch.cat([queries.repeat_interleave(group_size, 0), responses], dim=1)  # (N, P + T)

@@ -23,6 +23,7 @@ from engine.callbacks import Callbacks
 from engine.config import JobSpec, PPOConfig
 from engine.data import batch_indices, encode_prompts, encode_sft_batch, load_rows
 from engine.distributed import Ranks
+from engine.generate import decode_warning, job_decoder
 from engine.graders import ModelGrader, RewardScores, reward_metrics
 from engine.health import CollapseMonitor, TrainingCollapseError
 from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything
@@ -162,6 +163,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     trained_policy = ranks.wrap(policy, compile=cfg.torch_compile)
     critic = ranks.wrap(ScalarHead(value_model), compile=cfg.torch_compile)
     saved = {"policy": policy, "value": value_model}  # the checkpoints' models
+    decoder = job_decoder(policy, cfg.cuda_graphs, limit, cfg.batch_size, device, warn=decode_warning(callbacks))
 
     def sample(
         rows: Sequence[dict[str, Any]], queries: torch.Tensor, query_mask: torch.Tensor, generator: torch.Generator
@@ -169,7 +171,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         return make_rollout(
             policy, ref_policy, value_model, scorer, rows, queries, query_mask, cfg.response_length,
             cfg.temperature, cfg.top_k, stop_token_ids, tokenizer.pad_token_id, generator,
-            chunk_size=cfg.mini_batch_size, static_cache=cfg.cuda_graphs and device.type == "cuda",
+            chunk_size=cfg.mini_batch_size, decoder=decoder,
         )  # fmt: skip
 
     # Optimizer (policy and critic, each at its learning rate), schedule, KL controller, running score moments,
@@ -281,6 +283,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         metrics = ppo_metrics(exp, raw_scores, non_score_reward, mean_kl, kl_coef, stats, lr, t_rollout, elapsed)
         if ptx_rows:
             metrics["loss/ptx"] = _mean(stats["ptx"])
+        if decoder is not None:  # the share of this step's decoding steps that ran compiled
+            metrics["rollout/compiled_fraction"] = decoder.compiled_fraction()
         if graded is not None:  # the reward's components, over every rank's rows
             metrics.update(reward_metrics(graded))
         if eval_rows and run.eval_due(step, cfg.eval_every):

@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.distributed import Ranks
-from engine.generate import response_texts, sample
+from engine.generate import Decoder, response_texts, sample
 from engine.models import ScalarHead, folded_adapters, token_logprobs
 from engine.ops import is_stop, truncate_after_stop
 from engine.reward import score_texts, sequence_scores
@@ -161,15 +161,15 @@ def make_rollout(
     pad_token_id: int,
     generator: torch.Generator,
     chunk_size: int,
-    static_cache: bool = False,
+    decoder: Decoder | None = None,
 ) -> Rollout:
     """Sample one response per query (B, P) of the dataset ``rows``, each up to its first of ``stop_token_ids``
     (none: ``response_length`` tokens), and evaluate it with reference, critic and reward
     model (``scorer``) in chunks of ``chunk_size``. The policy's log-probabilities come from sampling itself; LoRA
     adapters are folded into the weights for the sampling and the critic's forward (:func:`folded_adapters`).
 
-    A ``None`` reference means: the policy's base, with its LoRA adapters disabled. ``static_cache``: sample with
-    a static KV cache and compiled decoding steps (CUDA graphs on CUDA).
+    A ``None`` reference means: the policy's base, with its LoRA adapters disabled. ``decoder``: the job's
+    compiled decoding on static caches (:class:`engine.generate.Decoder`); None: the growing cache, eagerly.
     """
     policy.eval()
     value_model.eval()
@@ -183,8 +183,7 @@ def make_rollout(
             top_k=top_k,
             eos_token_id=stop_token_ids,
             generator=generator,
-            static_cache=static_cache,
-            compiled=static_cache,
+            decoder=decoder,
         )  # (B, T)
     responses, mask, stopped = truncate_after_stop(raw, stop_token_ids, pad_token_id)
     query_responses = torch.cat([queries, responses], dim=1)  # (B, P + T)

@@ -9,6 +9,7 @@ import torch
 from engine.callbacks import Callbacks
 from engine.checkpoint import latest_checkpoint
 from engine.config import JOB_TYPES, JobSpec
+from engine.generate import release_compiled
 from engine.graders import RewardStopped
 from engine.loop import JobResult
 from engine.models import pick_device
@@ -41,6 +42,8 @@ def run_job(
         return trainer(spec.type)(spec, Path(out_dir), callbacks, device or pick_device())
     except RewardStopped as e:
         return _stopped_in_reward(e, Path(out_dir), callbacks)
+    finally:
+        release_compiled()  # no compiled function or CUDA graph outlives the job, nor keeps its models alive
 
 
 def _stopped_in_reward(stop: RewardStopped, out_dir: Path, callbacks: Callbacks) -> JobResult:

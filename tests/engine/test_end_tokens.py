@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from engine.config import JobSpec
 from engine.data import encode_prompts
-from engine.generate import generate, sample
+from engine.generate import Decoder, generate, sample
 from engine.models import StopTokenError, load_causal_lm, load_tokenizer, resolve_stop_token, stop_token_ids
 from tests.end_tokens import ANSWER, LLAMA3, PHI3, Family, build_end_of_turn_model
 from tests.engine.helpers import final_model_dir, train
@@ -78,7 +78,8 @@ def test_sampling_ends_once_every_row_has_any_stop_token(folders: dict[str, Path
     model, tokenizer = loaded(folders["llama3"])
     queries, mask = encode_prompts(tokenizer, PROMPTS, 64)
     stops = stop_token_ids(model, tokenizer)
-    tokens, _ = sample(model, queries, mask, 12, 1.0, eos_token_id=stops, group_size=2, static_cache=static_cache,
+    decoder = Decoder(model, max_prompt_length=64, max_rows=8) if static_cache else None
+    tokens, _ = sample(model, queries, mask, 12, 1.0, eos_token_id=stops, group_size=2, decoder=decoder,
                        generator=torch.Generator().manual_seed(0))  # fmt: skip
     assert tokens.tolist() == [answer_tokens(tokenizer, LLAMA3)] * (2 * len(PROMPTS))
 
