@@ -180,7 +180,7 @@ def test_compiled_decoding_on_cuda_runs_cuda_graphs_recorded_once_per_shape(tmp_
     """bf16, a cache of 15 + 12 = 27 positions (no multiple of 8): every step compiled, no graph skipped, one
     recording per shape over three rollouts, replayed to the same numbers, the training pass's log-probs."""
     model, queries, mask, _ = loaded("llama", tmp_path)
-    model.to(device="cuda", dtype=torch.bfloat16)  # in place
+    torch.nn.Module.to(model, device="cuda", dtype=torch.bfloat16)  # in place
     queries, mask = queries.cuda(), mask.cuda()
     decoder = generate.job_decoder(model, True, max_prompt_length=15, max_rows=3, device=torch.device("cuda"))
     assert decoder is not None
