@@ -64,11 +64,12 @@ def test_a_decoder_samples_what_the_growing_cache_samples(
     from the same (reset) caches."""
     model, queries, mask, _ = loaded(arch, tmp_path)
     decoder = Decoder(model, max_prompt_length=40, max_rows=16)
-    runs = [
-        sample(model, queries, mask, 12, temperature, top_k=top_k, group_size=group_size,
-               generator=torch.Generator().manual_seed(7), decoder=d)
-        for d in (None, decoder, decoder)
-    ]  # fmt: skip
+    runs, addresses = [], []
+    for d in (None, decoder, decoder):
+        runs.append(sample(model, queries, mask, 12, temperature, top_k=top_k, group_size=group_size,
+                           generator=torch.Generator().manual_seed(7), decoder=d))  # fmt: skip
+        layers: list[Any] = [layer for cache in decoder._caches.values() for layer in cache.layers]
+        addresses.append([layer.keys.data_ptr() for layer in layers])
     (tokens, logprobs), *static = runs
     assert tokens.shape == (len(PROMPTS) * group_size, 12)
     for static_tokens, static_logprobs in static:
@@ -76,6 +77,7 @@ def test_a_decoder_samples_what_the_growing_cache_samples(
         torch.testing.assert_close(static_logprobs, logprobs, rtol=0, atol=1e-5)
     assert decoder.stats.path == "static" and decoder.stats.eager_steps == 2 * 11
     assert len(decoder._caches) == 2  # the padded decoding shape's, and the prompts' (copied into it): reused
+    assert addresses[2] == addresses[1]  # the same tensors: a CUDA graph recorded on them replays
 
 
 @pytest.mark.parametrize("check_every", [1, 8])
