@@ -328,9 +328,12 @@ class PPOConfig(TrainConfig):
     log_samples: Annotated[int, Field(ge=1, le=256)] = 16
     """Rollouts kept per logged step: the first ones of the batch."""
     cuda_graphs: bool = True
-    """On CUDA, sample with a static KV cache and each decoding step captured as a CUDA graph (``torch.compile``,
-    mode ``reduce-overhead``), replayed across steps and updates: no per-token launch overhead. Off: the growing
-    cache, eagerly. No effect on CPU. The same tokens either way; log-probs equal up to rounding."""
+    """On CUDA, sample with static KV caches and each decoding step captured as a CUDA graph (``torch.compile``
+    with inductor's CUDA graphs), replayed across steps and updates: no per-token launch overhead. Prompts are
+    padded to one of 4 lengths and the batch to one of 4 row counts, so a job compiles at most 16 shapes whatever
+    its prompts; a step that cannot be compiled or recorded falls back to eager decoding with a ``warning`` event,
+    and ``rollout/compiled_fraction`` reports the share of decoding steps run compiled. Off: the growing cache,
+    eagerly. No effect on CPU. The same tokens either way; log-probs equal up to rounding."""
     torch_compile: bool = False
     """Compile the training forward (and so the backward) of the policy and critic with ``torch.compile`` for dynamic
     shapes: fused kernels for every update, after the first pays the compilation. For long runs: on a 2-core CPU
@@ -459,9 +462,12 @@ class GRPOConfig(TrainConfig):
     log_samples: Annotated[int, Field(ge=1, le=256)] = 16
     """Samples kept per logged step: the first ones of the batch, whole groups first."""
     cuda_graphs: bool = True
-    """On CUDA, sample with a static KV cache and each decoding step captured as a CUDA graph (``torch.compile``,
-    mode ``reduce-overhead``), replayed across steps and updates: no per-token launch overhead. Off: the growing
-    cache, eagerly. No effect on CPU. The same tokens either way; log-probs equal up to rounding."""
+    """On CUDA, sample with static KV caches and each decoding step captured as a CUDA graph (``torch.compile``
+    with inductor's CUDA graphs), replayed across steps and updates: no per-token launch overhead. Prompts are
+    padded to one of 4 lengths and the batch to one of 4 row counts, so a job compiles at most 16 shapes whatever
+    its prompts; a step that cannot be compiled or recorded falls back to eager decoding with a ``warning`` event,
+    and ``rollout/compiled_fraction`` reports the share of decoding steps run compiled. Off: the growing cache,
+    eagerly. No effect on CPU. The same tokens either way; log-probs equal up to rounding."""
     torch_compile: bool = False
     """Compile the training forward (and so the backward) of the policy with ``torch.compile`` for dynamic
     shapes: fused kernels for every update, after the first pays the compilation. For long runs: on a 2-core CPU
