@@ -104,7 +104,7 @@ class DecodeStats:
 
 class Decoder:
     """A job's sampling on static KV caches, its decoding steps compiled (on CUDA: captured as CUDA graphs and
-    replayed). Built once per job and dropped with it, which logs its :class:`DecodeStats` (:func:`report`);
+    replayed). Built once per job and closed when it ends, which logs its :class:`DecodeStats` (:func:`report`);
     :func:`release_compiled` then frees what torch keeps.
 
     Prompts are left-padded to one of a few lengths and the batch to one of a few row counts
@@ -133,8 +133,8 @@ class Decoder:
         self._caches: dict[tuple[int, int], StaticCache] = {}
         self._shape = ""
         self._window = [0, 0]  # compiled and eager steps since the last compiled_fraction()
-        # CUDA-graph recordings are counted by a callback of torch's, which holds this decoder weakly; once the
-        # decoder is gone (its job over), the callback is removed and what it did is logged (report())
+        # CUDA-graph recordings are counted by a callback of torch's, which holds this decoder weakly, and which
+        # close() removes, or else the decoder's end
         this = weakref.ref(self)
 
         def on_compile_event(args: Any) -> None:
@@ -142,9 +142,16 @@ class Decoder:
             if decoder is not None:
                 decoder._count_recording(args)
 
-        handler = torch._dynamo.callback.callback_handler
-        handler.register_start_callback(on_compile_event)
-        weakref.finalize(self, _finished, self.stats, on_compile_event)
+        torch._dynamo.callback.callback_handler.register_start_callback(on_compile_event)
+        self._unregister = weakref.finalize(self, _unregister, on_compile_event)
+
+    def close(self) -> None:
+        """The job is over: log what decoding did (:func:`report`), stop counting, drop the caches."""
+        if self._unregister.alive:
+            self._unregister()
+            report(self.stats)
+        self._caches.clear()
+        self._compiled = None
 
     def compiled_fraction(self) -> float:
         """The share of decoding steps run compiled since the last call (1.0 when none ran)."""
@@ -222,11 +229,10 @@ def report(stats: DecodeStats) -> None:
     )  # fmt: skip
 
 
-def _finished(stats: DecodeStats, callback: Callable[[Any], None]) -> None:
+def _unregister(callback: Callable[[Any], None]) -> None:
     handler = torch._dynamo.callback.callback_handler
     if callback in handler.start_callbacks:
         handler.remove_start_callback(callback)
-    report(stats)
 
 
 def job_decoder(

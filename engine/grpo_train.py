@@ -102,6 +102,8 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
     params = [p for p in policy.parameters() if p.requires_grad]
     trained_policy = ranks.wrap(policy, compile=cfg.torch_compile)
     decoder = job_decoder(policy, cfg.cuda_graphs, limit, cfg.batch_size * G, device, warn=decode_warning(callbacks))
+    if decoder is not None:
+        run.at_end(decoder.close)
 
     start = run.start_training(cfg, cfg.total_steps, (params, cfg.learning_rate))
     if start.finished:

@@ -127,6 +127,15 @@ class Run:
         found = latest_checkpoint(out_dir)
         self.resume_from = found[1] if found else None
         """The checkpoint to resume from, or None for a fresh start."""
+        self._at_end: list[Callable[[], None]] = []
+
+    def at_end(self, action: Callable[[], None]) -> None:
+        """Call ``action`` when the job ends: once :meth:`end_step` or :meth:`halt` gives its result."""
+        self._at_end.append(action)
+
+    def _end(self) -> None:
+        while self._at_end:
+            self._at_end.pop()()
 
     @classmethod
     def open(
@@ -239,8 +248,10 @@ class Run:
                     self.out_dir,
                     {"status": "succeeded", "type": self.spec.type, "final_step": step, "spec": self.spec.model_dump()},
                 )
+            self._end()
             return JobResult("succeeded", step, self.last_checkpoint, metrics)
         if stop is not None:
+            self._end()
             return JobResult("paused" if stop == "pause" else "cancelled", step, self.last_checkpoint, metrics)
         return None
 
@@ -260,6 +271,7 @@ class Run:
         step (no stop request is exchanged).
         """
         self._report(step, metrics, models)
+        self._end()
         if error is not None:
             raise error
         newest = latest_checkpoint(self.out_dir)

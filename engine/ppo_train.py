@@ -164,6 +164,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     critic = ranks.wrap(ScalarHead(value_model), compile=cfg.torch_compile)
     saved = {"policy": policy, "value": value_model}  # the checkpoints' models
     decoder = job_decoder(policy, cfg.cuda_graphs, limit, cfg.batch_size, device, warn=decode_warning(callbacks))
+    if decoder is not None:
+        run.at_end(decoder.close)
 
     def sample(
         rows: Sequence[dict[str, Any]], queries: torch.Tensor, query_mask: torch.Tensor, generator: torch.Generator

@@ -135,14 +135,19 @@ def test_a_step_that_cannot_be_compiled_falls_back_to_eager_decoding_once(tmp_pa
     assert decoder.compiled_fraction() == 0.0
 
 
-@pytest.mark.parametrize("job_type", ["ppo", "grpo"])
+@pytest.mark.parametrize(("job_type", "compiles"), [("ppo", True), ("grpo", False)])
 def test_a_finished_job_leaves_no_compiled_decoder_holding_its_models(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, job_type: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, job_type: str, compiles: bool
 ) -> None:
-    """A PPO or GRPO job whose rollouts decode compiled (a recording backend standing in for CUDA's): the share of steps
-    run compiled is a metric, the decoder's record is logged, and once the job is over nothing keeps its policy."""
+    """A PPO job whose rollouts decode compiled (a recording backend standing in for CUDA's), and a GRPO job whose
+    backend cannot compile: the share of steps run compiled is a metric, a fallback is a warning event of the job,
+    the decoder's record is logged, and once the job is over nothing keeps its policy."""
     backend = Recording()
-    monkeypatch.setattr(generate, "compile_options", lambda device: {"backend": backend})
+
+    def failing(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        raise RuntimeError("no compiler for this device")
+
+    monkeypatch.setattr(generate, "compile_options", lambda device: {"backend": backend if compiles else failing})
     decoders: list[weakref.ref[Decoder]] = []
     policies: list[weakref.ref[torch.nn.Module]] = []
     created = generate.Decoder
@@ -155,10 +160,14 @@ def test_a_finished_job_leaves_no_compiled_decoder_holding_its_models(
 
     monkeypatch.setattr(generate, "Decoder", Watched)
     metrics: list[dict[str, float]] = []
+    events: list[tuple[str, str, dict[str, Any] | None]] = []
 
     class Recorded(Callbacks):
         def on_metrics(self, step: int, values: dict[str, float]) -> None:
             metrics.append(values)
+
+        def on_event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+            events.append((kind, message, data))
 
     group = {"group_size": 2} if job_type == "grpo" else {}
     spec = JobSpec.model_validate({
@@ -169,12 +178,15 @@ def test_a_finished_job_leaves_no_compiled_decoder_holding_its_models(
     with caplog.at_level("INFO", logger="engine.generate"):
         result = run_job(spec, tmp_path / "job", Recorded(), torch.device("cpu"))
     gc.collect()
-    assert result.status == "succeeded" and backend.graphs
-    assert [m["rollout/compiled_fraction"] for m in metrics] == [1.0, 1.0]
+    assert result.status == "succeeded"
+    assert [m["rollout/compiled_fraction"] for m in metrics] == [1.0 if compiles else 0.0] * 2
+    fallbacks = [e for e in events if e[2] == {"reason": "decode_fallback"}]
+    assert bool(backend.graphs) == compiles and len(fallbacks) == (0 if compiles else 1)
+    assert compiles or (fallbacks[0][0] == "warning" and "no compiler for this device" in fallbacks[0][1])
     assert decoders and all(ref() is None for ref in decoders)
     assert policies and all(ref() is None for ref in policies)
     records = [r for r in caplog.records if hasattr(r, "decode_stats")]
-    assert len(records) == 1 and records[0].decode_stats["compiled_steps"] == 2 * 5
+    assert len(records) == 1 and records[0].decode_stats["compiled_steps" if compiles else "eager_steps"] == 2 * 5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are recorded on a GPU only")
