@@ -2,6 +2,7 @@
 
 import logging
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -50,6 +51,18 @@ RECOMPILE_LIMIT = 4 * BUCKET_LEVELS**2
 eager silently at the ninth shape): above every shape the buckets allow."""
 
 
+_LIMITS: dict[str, Any] = {
+    name: value
+    for name, value in (("recompile_limit", RECOMPILE_LIMIT), ("fail_on_recompile_limit_hit", True))
+    if hasattr(torch._dynamo.config, name)
+}
+"""Dynamo's settings while a compiled step runs (the names this version of torch knows)."""
+KEPT_CACHES = 4
+"""Static caches a :class:`Decoder` keeps (the most recently used): two shapes' with their prompts', so the
+memory they hold stays within twice that of the largest, and a rollout alternating between two shapes replays
+both shapes' graphs. A shape whose cache was let go gets a new one, and its graph is recorded again."""
+
+
 def bucket(n: int, top: int, levels: int = BUCKET_LEVELS, smallest: int = 1) -> int:
     """The size ``n`` is padded to: the smallest of ``top``, ``top/2``, ... (``levels`` sizes, rounded up, none
     below ``smallest``) that holds it; beyond ``top``, the next power of two."""
@@ -80,7 +93,10 @@ def compile_options(device: torch.device) -> dict[str, Any] | None:
     rather than a silent skip. Elsewhere decoding runs eagerly (a compile costs more than it saves on a CPU)."""
     if device.type != "cuda":
         return None
-    return {"options": {"triton.cudagraphs": True, "triton.cudagraph_or_error": True}}
+    options = {"triton.cudagraphs": True}
+    if hasattr(torch._inductor.config.triton, "cudagraph_or_error"):  # torch 2.9 and later
+        options["triton.cudagraph_or_error"] = True
+    return {"options": options}
 
 
 @dataclass
@@ -110,8 +126,9 @@ class Decoder:
     Prompts are left-padded to one of a few lengths and the batch to one of a few row counts
     (:func:`bucket`, from ``max_prompt_length`` and ``max_rows`` down), so a job with prompts of every length
     compiles at most ``BUCKET_LEVELS²`` shapes. Each shape has one static cache, reset between rollouts, so its
-    addresses stay put and its CUDA graph is recorded once and replayed. A step that cannot be compiled (or
-    recorded) falls back to eager decoding for the rest of the job, said once through ``warn``.
+    addresses stay put and its CUDA graph is recorded once and replayed (the last :data:`KEPT_CACHES` caches are
+    kept). A step that cannot be compiled (or recorded) falls back to eager decoding for the rest of the job, said
+    once through ``warn``.
     """
 
     def __init__(
@@ -130,7 +147,7 @@ class Decoder:
         self.warn = warn
         self.stats = DecodeStats("compiled" if compile is not None else "static")
         self._compiled = torch.compile(_decode_step, dynamic=False, fullgraph=True, **compile) if compile else None
-        self._caches: dict[tuple[int, int], StaticCache] = {}
+        self._caches: OrderedDict[tuple[int, int], StaticCache] = OrderedDict()
         self._shape = ""
         self._window = [0, 0]  # compiled and eager steps since the last compiled_fraction()
         # CUDA-graph recordings are counted by a callback of torch's, which holds this decoder weakly, and which
@@ -164,6 +181,9 @@ class Decoder:
         key = (rows, length)
         if key not in self._caches:
             self._caches[key] = StaticCache(config=self.model.config, max_cache_len=length)
+            while len(self._caches) > KEPT_CACHES:
+                self._caches.popitem(last=False)  # the least recently used
+        self._caches.move_to_end(key)
         cache = self._caches[key]
         cache.reset()
         return cache
@@ -180,7 +200,7 @@ class Decoder:
             counters = torch._dynamo.utils.counters
             graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
             try:
-                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+                with torch._dynamo.config.patch(_LIMITS):
                     torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are read and done with
                     logits = self._compiled(self.model, **inputs)
             except Exception as e:  # no compiler for this device, a graph break, a graph that cannot be recorded

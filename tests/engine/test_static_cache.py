@@ -115,6 +115,22 @@ def test_compiles_are_bounded_whatever_the_prompt_lengths_and_batch_sizes(tmp_pa
     assert decoder.compiled_fraction() == 1.0
 
 
+def test_a_recompile_limit_reached_anyway_is_a_fallback_not_a_silent_eager(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamo's limit at 2 compiles: the third shape ends the compiled steps with a warning naming the limit, where
+    dynamo itself would run eagerly and say nothing."""
+    monkeypatch.setitem(generate._LIMITS, "recompile_limit", 2)
+    model, _, _, _ = loaded("llama", tmp_path)
+    warnings: list[str] = []
+    decoder = Decoder(model, max_prompt_length=64, max_rows=1, compile={"backend": Recording()}, warn=warnings.append)
+    for length in (10, 20, 40):  # prompt buckets 16, 32, 64
+        ids = torch.randint(3, 500, (1, length), generator=torch.Generator().manual_seed(length))
+        sample(model, ids, torch.ones_like(ids), 3, 1.0, generator=torch.Generator().manual_seed(0), decoder=decoder)
+    assert decoder.stats.compiled_steps == 2 * 2 and decoder.stats.eager_steps == 2
+    assert len(warnings) == 1 and "recompile" in warnings[0].lower()
+
+
 def test_a_step_that_cannot_be_compiled_falls_back_to_eager_decoding_once(tmp_path: Path) -> None:
     model, queries, mask, _ = loaded("llama", tmp_path)
 
