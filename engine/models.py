@@ -375,11 +375,25 @@ def is_lora(model: PreTrainedModel) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
 
 
+FOLDED_DTYPES = (torch.float32, torch.float64)
+"""The weight dtypes :func:`folded_adapters` folds adapters into: W + ΔW held to within float32's rounding. A
+bfloat16 or float16 weight cannot hold it: where |ΔW| < ulp(W)/2 the sum rounds back to W (the smaller the
+update, the more of it is lost), and every adapted weight rounded to its nearest half-precision value moves the
+sampler's log-probs several times as far from the training pass as sampling's own kernels do."""
+
+
 @contextmanager
 def folded_adapters(model: torch.nn.Module) -> Iterator[None]:
-    """Within this block a LoRA model computes with its adapters added into its base weights, one matmul per
-    adapted layer instead of three: sampling and no-grad forwards at the full model's speed. Not for training
-    passes (the adapters get no gradient while folded), nor around ``disable_adapter`` (which would unfold them).
+    """Within this block a LoRA model samples and runs its no-grad forwards with log-probs that agree with its
+    unfused training pass as closely as a model without adapters agrees with itself (PPO's old log-probs, ratio and
+    KL are taken across the two), as fast as that allows. Not for training passes (the adapters get no gradient
+    while folded), nor around ``disable_adapter`` (which would unfold them).
+
+    A layer whose base weight is float32 (:data:`FOLDED_DTYPES`) computes with its adapters added into that weight,
+    one matmul instead of three: the full model's speed, its outputs the adapters' to within float32 rounding. A
+    half-precision layer (bfloat16, float16) keeps its adapters unfused and runs the training pass's own
+    arithmetic, at the cost of the adapters' own small kernels (two matmuls and their casts): folded into a
+    half-precision weight they would be rounded (:data:`FOLDED_DTYPES`).
 
     The base weights are copied before folding and copied back after, never subtracted again, so folding any
     number of times leaves them bit-identical. A model without adapters is left as it is. An adapted parameter
@@ -390,7 +404,11 @@ def folded_adapters(model: torch.nn.Module) -> Iterator[None]:
         return
     from peft.tuners.lora import LoraLayer
 
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and not m.merged]
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, LoraLayer) and not m.merged and adapted_parameter(m).dtype in FOLDED_DTYPES
+    ]
     weights = [adapted_parameter(layer) for layer in layers]
     with torch.no_grad():
         saved = [weight.detach().clone() for weight in weights]
