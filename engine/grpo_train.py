@@ -210,7 +210,7 @@ def rollout(
     queries, query_mask = encode_prompts(tokenizer, [row["prompt"] for row in rows], cfg.max_prompt_length)
     queries, query_mask, rows = queries[share].to(device), query_mask[share].to(device), rows[share]
     policy.eval()
-    with folded_adapters(policy):  # LoRA sampling at the full model's speed
+    with folded_adapters(policy):  # LoRA: folded in float32, unfused in half precision (FOLDED_DTYPES)
         raw, raw_logprobs = sample(policy, queries, query_mask, cfg.response_length, cfg.temperature,
                                    top_k=cfg.top_k, eos_token_id=stop_token_ids, generator=generator,
                                    group_size=group_size, decoder=decoder)  # fmt: skip

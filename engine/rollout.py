@@ -165,8 +165,9 @@ def make_rollout(
 ) -> Rollout:
     """Sample one response per query (B, P) of the dataset ``rows``, each up to its first of ``stop_token_ids``
     (none: ``response_length`` tokens), and evaluate it with reference, critic and reward
-    model (``scorer``) in chunks of ``chunk_size``. The policy's log-probabilities come from sampling itself; LoRA
-    adapters are folded into the weights for the sampling and the critic's forward (:func:`folded_adapters`).
+    model (``scorer``) in chunks of ``chunk_size``. The policy's log-probabilities come from sampling itself; the
+    sampling and the critic's forward run under :func:`folded_adapters` (LoRA folded in float32, unfused in half
+    precision, so the old log-probs and values agree with the update's).
 
     A ``None`` reference means: the policy's base, with its LoRA adapters disabled. ``decoder``: the job's
     compiled decoding on static caches (:class:`engine.generate.Decoder`); None: the growing cache, eagerly.
