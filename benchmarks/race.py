@@ -121,6 +121,7 @@ def race(
     stop_rounds = None if deadline is None else deadline - WRAP_UP_S
     try:
         _gather(entrants, "ready", "while loading", stop_rounds)
+        _report(on_round, results)
         for i in range(warmup):
             if _past(stop_rounds):
                 break
