@@ -17,7 +17,8 @@
 #
 # CPU dry mode: `bash benchmarks/gpu_check.sh --dry` (or DRY=1): the same parts at the `tiny` size, one warm-up
 # and two counted updates, on this machine's CPU (TRL races too where `make bench-deps` installed it). PYTHON
-# names the interpreter (default python3); PARTS, a space-separated subset of the parts, reruns only those.
+# names the interpreter (default python3); PARTS, a space-separated subset of the parts (small-real small-fixed
+# 1b-real 1b-fixed tests), reruns only those.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=${DRY:-0}
@@ -36,7 +37,7 @@ else
     sizes=(small 1b) updates=4 warmup=1 dtype=bfloat16
     declare -A limit=([wheels]=30 [env]=20 [small-real]=90 [small-fixed]=80 [1b-real]=100 [1b-fixed]=95 [tests]=55)
 fi
-parts=" ${PARTS:-${!limit[*]}} "
+parts=" wheels env ${PARTS:-${!limit[*]}} " # the wheels and the environment always
 bank=0 # seconds the parts so far left unused, lent to the next ones
 
 part() { # name, then its command (@RACE_LIMIT@: the part's limit less 20 s); run it, record it, write the summary
