@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install demo test lint bench-deps
+.PHONY: install demo test lint bench-deps gpu-wheels gpu-check-dry
 
 # torch is installed first and pinned: a CPU build of 2.13.0 is what the CI machines carry, and an
 # unpinned torch would pull a multi-GB CUDA build.
@@ -26,3 +26,11 @@ lint:
 bench-deps: install
 	$(PIP) install -q --no-deps trl==1.12.0
 	$(PIP) install -q 'datasets>=4.7' 'accelerate>=1.4' jinja2
+
+# The GPU check (benchmarks/gpu_check.sh, benchmarks/README.md): the wheels it carries to the device machine, at
+# the versions installed here, and its CPU dry run.
+gpu-wheels: bench-deps
+	PYTHON=$(PYTHON) bash benchmarks/gpu_wheels.sh
+
+gpu-check-dry: bench-deps
+	PYTHON=$(PYTHON) bash benchmarks/gpu_check.sh --dry

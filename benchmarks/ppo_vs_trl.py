@@ -2,11 +2,21 @@
 
 Both trainers start from the same saved weights (a random GPT-2 policy and a random GPT-2 reward model
 with a scalar head, which also initialises the critic), use the same tokenizer (the built-in one) and the
-same prompts (all exactly 16 tokens), batch size, response length (no stop token: every response is
-full length), 2 minibatches, 1 PPO epoch, temperature 0.7 and dtype. Each contestant is a process of its
-own (its own heap, so TRL's ``gc.collect()`` calls walk TRL's objects only); once all have loaded their
-models they take turns, one update at a time (ours, TRL, floor, ours, ...), so a slow phase of this
-shared machine hits all of them alike. The first two updates of each are warm-up and not counted.
+same prompts, batch size, response length, 2 minibatches, 1 PPO epoch, temperature 0.7 and dtype, in one
+of two cases:
+
+- ``fixed``: every prompt exactly 16 tokens, no stop token (every response is full length): the same shapes
+  at every step;
+- ``real``: what a real job looks like: prompts of 4 to 48 tokens (left-padded, so the masks are padded),
+  ``stop_token: "eos"``, and a policy that really stops: its end-of-sequence logit is raised (a random policy
+  at GPT-2's vocabulary would almost never emit it) so that about 1.5 EOS fall in a response's length on
+  average, and responses end at varied lengths. TRL runs with ``stop_token="eos"``, the floor's ``generate``
+  with ``eos_token_id``.
+
+Each contestant is a process of its own (its own heap, so TRL's ``gc.collect()`` calls walk TRL's objects
+only). The warm-up updates (2 unless told) run in all contestants at once and are not counted; then they take
+turns, one update at a time (ours, TRL, floor, ours, ...), so a slow phase of this shared machine hits all of
+them alike (``benchmarks/race.py``). A contestant that dies leaves the race, which goes on without it.
 
 The floor is what no PPO implementation can skip: one ``generate`` for the batch (Hugging Face's own),
 one no-grad forward of the reference, reward and value models, and for each minibatch the forward,
@@ -17,12 +27,17 @@ the RSS the process had before loading any model), ``torch.cuda.max_memory_alloc
 memory races run ours and TRL at the memory size, full fine-tuning and LoRA, without and with
 gradient checkpointing.
 
+Ours reports the engine's own figures with each update (``time/rollout_s``, ``time/train_s``, the share of
+decoding steps run compiled, the responses' EOS share and mean length) and at its end the decode statistics the
+engine logs on ``engine.generate`` (which decode path ran, compiles and CUDA-graph recordings per shape).
+
 Setup: ``make bench-deps`` (TRL for benchmarks only, next to the pinned stack, changing nothing of it:
 ``pip install --no-deps trl==1.12.0``, then ``datasets``, ``accelerate`` and ``jinja2``).
 
-Run: ``python benchmarks/ppo_vs_trl.py [--sizes tiny compute] [--updates 8] [--no-memory]`` (about
-20 minutes on 2 cores).
-On a GPU: ``python benchmarks/ppo_vs_trl.py --sizes small --dtype bfloat16`` (GPT-2-small shapes).
+Run from the repository root: ``python -m benchmarks.ppo_vs_trl [--sizes tiny compute] [--updates 8]
+[--no-memory]`` (about 20 minutes on 2 cores). On a GPU: ``python -m benchmarks.ppo_vs_trl --sizes small
+--cases fixed real --dtype bfloat16 --contestants ours ours-lora trl floor``; ``bash benchmarks/gpu_check.sh``
+runs the whole GPU check.
 
 ``--lora-speed`` races ours alone instead (TRL not needed): full fine-tuning, LoRA r=8 with the adapters folded
 into the weights for the rollout (as jobs run), and LoRA unfused (every sampling step through the adapters).
@@ -33,33 +48,49 @@ ours making each forward's whole (B, T, V) logits at once: time and peak memory.
 import argparse
 import contextlib
 import json
-import multiprocessing
+import logging
 import os
+import random
 import resource
-import statistics
 import tempfile
 import time
-import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 import transformers
-from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrainedTokenizerBase
+from transformers import (
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
+from benchmarks.gpu_summary import memory_mib, race_section
+from benchmarks.race import RaceOver, Result, Turn, race
 from engine.builtin import reviews
-from engine.callbacks import Callbacks
+from engine.callbacks import Callbacks, StopRequest
 from engine.config import JobSpec
 from engine.models import load_tokenizer, pick_device
-from engine.ops import logprobs_from_logits
+from engine.ops import logprobs_from_logits, truncate_after_stop
 from engine.run import run_job
 
 PROMPT_TOKENS = 16
+"""The fixed case's prompt length."""
+REAL_PROMPT_TOKENS = (4, 48)
+"""The real case's shortest and longest prompt."""
+EOS_PER_RESPONSE = 1.5
+"""The real case: mean end-of-sequence tokens per response length, were sampling not stopped at the first
+(per token, ``EOS_PER_RESPONSE / response``): about 78 % of responses stop before their last token."""
 MINIBATCHES = 2
 WARMUP = 2
 TEMPERATURE = 0.7
 LEARNING_RATE = 1e-5
+Case = Literal["fixed", "real"]
 
 
 @dataclass(frozen=True)
@@ -87,18 +118,19 @@ BF16_PEAK_TFLOPS = 790.0
 """The dense bf16 peak the report compares with on CUDA (an H200's sustained figure; ``--peak-tflops``)."""
 
 
-def update_flops(size: Size) -> float:
-    """Floating-point operations one PPO update needs at ``size`` (2 per multiply-add; backward twice the
-    forward): sampling the responses (a forward per new token, with the LM head), the rollout's reference,
-    reward and value forwards over prompt + response, and per minibatch the policy's and value's forward and
-    backward. Attention's score and mix products are counted at their mean context."""
+def update_flops(size: Size, prompt_tokens: int = PROMPT_TOKENS) -> float:
+    """Floating-point operations one PPO update needs at ``size`` with prompts padded to ``prompt_tokens`` and
+    full-length responses (2 per multiply-add; backward twice the forward): sampling the responses (a forward
+    per new token, with the LM head), the rollout's reference, reward and value forwards over prompt + response,
+    and per minibatch the policy's and value's forward and backward. Attention's score and mix products are
+    counted at their mean context. Padding and tokens after a stop are computed like any other."""
     d, L, vocab = size.n_embd, size.n_layer, size.vocab or 574
-    context = PROMPT_TOKENS + size.response
+    context = prompt_tokens + size.response
 
     def per_token(head: bool, mean_context: float) -> float:
         return 2 * (12 * L * d * d + (d * vocab if head else d)) + 4 * L * d * mean_context
 
-    sampled = size.batch * size.response * per_token(True, PROMPT_TOKENS + size.response / 2)
+    sampled = size.batch * size.response * per_token(True, prompt_tokens + size.response / 2)
     tokens = size.batch * context
     forward_lm, forward_scalar = tokens * per_token(True, context / 2), tokens * per_token(False, context / 2)
     rollout = forward_lm + 2 * forward_scalar  # reference; reward and value
@@ -118,6 +150,7 @@ class Setting:
 class Workload:
     dir: Path
     size: Size
+    case: Case = "fixed"
 
     @property
     def policy(self) -> str:
@@ -131,32 +164,74 @@ class Workload:
     def prompts(self) -> Path:
         return self.dir / "prompts.jsonl"
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The longest prompt: every batch is left-padded to about this."""
+        return PROMPT_TOKENS if self.case == "fixed" else REAL_PROMPT_TOKENS[1]
+
+    @property
+    def stop_token(self) -> Literal["eos"] | None:
+        return None if self.case == "fixed" else "eos"
+
     def prompt_ids(self) -> list[list[int]]:
         return [json.loads(line)["ids"] for line in self.prompts.read_text().splitlines()]
 
 
-def sixteen_token_prompts(tokenizer: PreTrainedTokenizerBase, n: int) -> list[tuple[str, list[int]]]:
-    """Windows of exactly PROMPT_TOKENS tokens cut from the reviews corpus that survive decode + encode."""
+def corpus_prompts(tokenizer: PreTrainedTokenizerBase, lengths: list[int]) -> list[tuple[str, list[int]]]:
+    """Prompts of the given token ``lengths``: consecutive windows of the reviews corpus that survive decode +
+    encode, so each trainer's tokenization gives back the same ids."""
     text = " ".join(r["prompt"] + r["completion"] for r in reviews.sft_rows("train"))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    prompts = []
-    for start in range(0, len(ids) - PROMPT_TOKENS, PROMPT_TOKENS + 1):
-        window = ids[start : start + PROMPT_TOKENS]
+    prompts: list[tuple[str, list[int]]] = []
+    start = 0
+    while len(prompts) < len(lengths):
+        window = ids[start : start + lengths[len(prompts)]]
+        if len(window) < lengths[len(prompts)]:
+            raise RuntimeError("not enough prompts")
         decoded = tokenizer.decode(window)
         if tokenizer(decoded, add_special_tokens=False)["input_ids"] == window:
             prompts.append((decoded, window))
-        if len(prompts) == n:
-            return prompts
-    raise RuntimeError("not enough prompts")
+        start += len(window) + 1
+    return prompts
 
 
-def make_workload(size: Size, root: Path) -> Workload:
-    """Save the starting weights, tokenizer and prompts that both trainers load."""
-    work = Workload(root, size)
+@torch.no_grad()
+def raise_eos_logit(policy: GPT2LMHeadModel, eos: int, rate: float, probe: torch.Tensor) -> float:
+    """Make a random policy emit ``eos`` at about ``rate`` per sampled token (at TEMPERATURE): its final layer
+    norm gets a bias of norm 4 along a random direction u, and EOS's (tied) embedding becomes k·u, with k found by
+    bisection so that the mean EOS probability over the positions of ``probe`` (B, L), token ids that are not
+    EOS, is ``rate``. The other tokens' logits move by noise (their embeddings are nearly orthogonal to u). Returns
+    that mean probability."""
+    d = policy.config.n_embd
+    u = torch.randn(d, generator=torch.Generator().manual_seed(1)).to(policy.device)
+    u /= u.norm()
+    policy.transformer.ln_f.bias += 4.0 * u
+    hidden = policy.transformer(input_ids=probe).last_hidden_state.float()  # (B, L, d)
+    logits = hidden @ policy.lm_head.weight.float().T / TEMPERATURE  # (B, L, V)
+    logits[..., eos] = float("-inf")
+    others = logits.logsumexp(-1)  # (B, L)
+    along = hidden @ u / TEMPERATURE  # (B, L): EOS's logit per unit of k
+
+    def eos_probability(k: float) -> float:
+        return torch.sigmoid(k * along - others).mean().item()
+
+    low, high = 0.0, 1.0
+    while eos_probability(high) < rate:
+        high *= 2
+    for _ in range(40):
+        low, high = (low, (low + high) / 2) if eos_probability((low + high) / 2) > rate else ((low + high) / 2, high)
+    policy.transformer.wte.weight[eos] = high * u  # the LM head's row too: GPT-2 ties them
+    return eos_probability(high)
+
+
+def make_workload(size: Size, root: Path, case: Case = "fixed", dtype: str = "float32") -> Workload:
+    """Save the starting weights (in ``dtype``), tokenizer and prompts that every contestant loads; the weights
+    are made on the GPU when there is one."""
+    work = Workload(root, size, case)
     tokenizer = load_tokenizer("builtin:tiny")
     config = GPT2Config(
         vocab_size=size.vocab or len(tokenizer),
-        n_positions=max(128, PROMPT_TOKENS + size.response),
+        n_positions=max(128, work.prompt_tokens + size.response),
         n_layer=size.n_layer,
         n_head=size.n_head,
         n_embd=size.n_embd,
@@ -169,45 +244,23 @@ def make_workload(size: Size, root: Path) -> Workload:
         num_labels=1,
     )
     torch.manual_seed(0)
-    GPT2LMHeadModel(config).save_pretrained(work.policy)
-    GPT2ForSequenceClassification(config).save_pretrained(work.reward)
-    for path in (work.policy, work.reward):
+    with torch.device(pick_device()):
+        policy, reward = GPT2LMHeadModel(config), GPT2ForSequenceClassification(config)
+        if case == "real":
+            probe = torch.randint(2, config.vocab_size, (16, 64))  # ids 0 and 1: pad and EOS
+            rate = raise_eos_logit(policy, tokenizer.eos_token_id, EOS_PER_RESPONSE / size.response, probe)
+            print(f"{size}: EOS logit raised to a mean EOS probability of {rate:.4f} per token")
+    for model, path in ((policy, work.policy), (reward, work.reward)):
+        model.to(getattr(torch, dtype)).save_pretrained(path)
         tokenizer.save_pretrained(path)
-    prompts = sixteen_token_prompts(tokenizer, 256)
+    del policy, reward, model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the contestants' memory, not this process's
+    rng = random.Random(0)
+    lengths = [PROMPT_TOKENS if case == "fixed" else rng.randint(*REAL_PROMPT_TOKENS) for _ in range(256)]
+    prompts = corpus_prompts(tokenizer, lengths)
     work.prompts.write_text("".join(json.dumps({"prompt": p, "ids": ids}) + "\n" for p, ids in prompts))
     return work
-
-
-class Turn:
-    """A contestant's side of the turn-taking: wait for "go", run one update, report its seconds.
-
-    Each contestant is a process of its own (its own heap, so TRL's ``gc.collect()`` walks only TRL's
-    objects, and its own peak memory). The parent hands out turns one at a time, round robin, only after
-    every contestant has loaded its models, so no two ever compute at once.
-    """
-
-    def __init__(self, conn: Connection, device: torch.device) -> None:
-        self.conn = conn
-        self.device = device
-        self.baseline_mib = rss_mib()
-        """RSS before any model is loaded."""
-        self._started = 0.0
-
-    def begin(self) -> None:
-        """Models are loaded: say so, wait for the first turn, start the clock."""
-        self.conn.send("ready")
-        self._wait()
-
-    def end(self) -> None:
-        """One update is done: report it and wait for the next turn."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.conn.send(time.perf_counter() - self._started)
-        self._wait()
-
-    def _wait(self) -> None:
-        self.conn.recv()
-        self._started = time.perf_counter()
 
 
 def rss_mib() -> float:
@@ -224,18 +277,50 @@ def peak_memory_mib(device: torch.device, baseline_mib: float) -> tuple[float, f
     return peak, peak - baseline_mib
 
 
-# --- the three contestants: each runs `updates` PPO updates, calling begin() once and end() per update ----
+# --- the contestants: each runs up to `updates` PPO updates, calling turn.begin() once and turn.end() per
+# update, and stops when the race says so; each returns what it knows at the end beyond memory ----------------
+
+KEPT_METRICS = (
+    "time/rollout_s",
+    "time/train_s",
+    "time/step_s",
+    "rollout/compiled_fraction",
+    "response/eos_fraction",
+    "response/length_mean",
+)
+"""The engine's metrics that ours reports with each update."""
 
 
-def run_ours(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> None:
+class DecodeStats(logging.Handler):
+    """Keeps the decoding statistics the engine logs at the end of a job: a record on ``engine.generate`` whose
+    ``decode_stats`` is a dict (``path``, ``compiled_steps``, ``eager_steps``, ``compiles`` and ``recordings``
+    per shape, ``cudagraph_skips``, ``fallback``)."""
 
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.stats: dict[str, Any] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stats = getattr(record, "decode_stats", None)
+        if isinstance(stats, dict):
+            self.stats = stats
+
+
+def run_ours(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> dict[str, Any]:
     class Timed(Callbacks):
         def on_start(self, start_step: int, total_steps: int) -> None:
             turn.begin()
 
         def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
-            turn.end()
+            turn.end({name: metrics[name] for name in KEPT_METRICS if name in metrics})
 
+        def should_stop(self) -> StopRequest | None:
+            return "cancel" if turn.stopped else None
+
+    decode = DecodeStats()
+    logger = logging.getLogger("engine.generate")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(decode)
     s = work.size
     spec = JobSpec.model_validate(
         {
@@ -246,13 +331,13 @@ def run_ours(work: Workload, updates: int, setting: Setting, turn: Turn, out: Pa
             "checkpoint_every": 1_000_000,
             "lora": {"r": 8, "alpha": 16} if setting.lora else None,
             "hyperparameters": {
-                "total_steps": updates,
+                "total_steps": updates + 1,  # never reached (it would checkpoint): the race stops the job first
                 "batch_size": s.batch,
                 "mini_batch_size": s.batch // MINIBATCHES,
                 "ppo_epochs": 1,
-                "max_prompt_length": PROMPT_TOKENS,
+                "max_prompt_length": work.prompt_tokens,
                 "response_length": s.response,
-                "stop_token": None,
+                "stop_token": work.stop_token,
                 "temperature": TEMPERATURE,
                 "learning_rate": LEARNING_RATE,
                 "dtype": setting.dtype,
@@ -260,10 +345,12 @@ def run_ours(work: Workload, updates: int, setting: Setting, turn: Turn, out: Pa
             },
         }
     )
-    run_job(spec, out, Timed())
+    result = run_job(spec, out, Timed())
+    print(f"ours{' with LoRA' if setting.lora else ''}: the job ended {result.status} at step {result.step}")
+    return {"decode_stats": decode.stats}
 
 
-def run_trl(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> None:
+def run_trl(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> dict[str, Any]:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
     from peft import LoraConfig
@@ -277,11 +364,14 @@ def run_trl(work: Workload, updates: int, setting: Setting, turn: Turn, out: Pat
 
         def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
             turn.end()
+            if turn.stopped:  # TRL's PPO loop reads no control.should_training_stop
+                raise RaceOver
 
     s = work.size
     torch_dtype = getattr(torch, setting.dtype)
     lora = setting.lora
     tokenizer = load_tokenizer(work.policy)
+    tokenizer.padding_side = "left"  # TRL's collator pads the prompts; the built-in tokenizer's side already
     policy = AutoModelForCausalLM.from_pretrained(work.policy, dtype=torch_dtype)
     ref = None if lora else AutoModelForCausalLM.from_pretrained(work.policy, dtype=torch_dtype)
     value = AutoModelForSequenceClassification.from_pretrained(work.reward, num_labels=1, dtype=torch_dtype)
@@ -295,10 +385,10 @@ def run_trl(work: Workload, updates: int, setting: Setting, turn: Turn, out: Pat
         num_ppo_epochs=1,
         local_rollout_forward_batch_size=s.batch,
         response_length=s.response,
-        stop_token=None,
+        stop_token=work.stop_token,
         temperature=TEMPERATURE,
         learning_rate=LEARNING_RATE,
-        total_episodes=s.batch * updates,
+        total_episodes=s.batch * (updates + 1),  # never reached: the race stops it first
         num_sample_generations=0,
         save_strategy="no",
         bf16=False,  # the weights are loaded in `dtype` already, as ours are
@@ -323,79 +413,102 @@ def run_trl(work: Workload, updates: int, setting: Setting, turn: Turn, out: Pat
     for quiet in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(quiet)
     trainer.train()
+    return {}
 
 
-def run_floor(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> None:
+def left_padded(batch: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt ids left-padded to the longest and their mask: (B, P) each."""
+    P = max(map(len, batch))
+    ids = torch.tensor([[pad] * (P - len(seq)) + seq for seq in batch], device=device)
+    mask = torch.tensor([[0] * (P - len(seq)) + [1] * len(seq) for seq in batch], device=device)
+    return ids, mask
+
+
+def run_floor(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> dict[str, Any]:
     """The parts of an update every implementation has to do, each done once, the plain Hugging Face way."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     s, device, torch_dtype = work.size, pick_device(), getattr(torch, setting.dtype)
 
-    def causal() -> torch.nn.Module:
+    def causal() -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(work.policy, dtype=torch_dtype).to(device)
 
-    def scalar() -> torch.nn.Module:
+    def scalar() -> PreTrainedModel:
         return AutoModelForSequenceClassification.from_pretrained(work.reward, num_labels=1, dtype=torch_dtype).to(
             device
         )
 
     policy, ref, value, reward = causal(), causal().eval(), scalar(), scalar().eval()
     optimizer = torch.optim.AdamW([*policy.parameters(), *value.parameters()], lr=LEARNING_RATE)
-    prompts = torch.tensor(work.prompt_ids(), device=device)
-    mask = torch.ones_like(prompts)
+    prompts, eos, pad = work.prompt_ids(), policy.config.eos_token_id, policy.config.pad_token_id
+    stops = [] if work.stop_token is None else [eos]
+    # the fixed case: full-length responses whatever is sampled; the real one: stop once every row has EOS
+    lengths = {"min_new_tokens": s.response} if work.stop_token is None else {"eos_token_id": eos}
     mb = s.batch // MINIBATCHES
     turn.begin()
-    for update in range(updates):
-        queries = prompts[update * s.batch % len(prompts) :][: s.batch]
+    for update in range(updates + 1):  # the last is never reached: the race stops it first
+        start = update * s.batch % len(prompts)
+        queries, query_mask = left_padded((prompts[start:] + prompts)[: s.batch], pad, device)  # (B, P)
+        P = queries.shape[1]
         with torch.no_grad():
             qr = policy.generate(
                 input_ids=queries,
-                attention_mask=mask[: len(queries)],
+                attention_mask=query_mask,
                 do_sample=True,
                 max_new_tokens=s.response,
-                min_new_tokens=s.response,
                 temperature=TEMPERATURE,
                 top_k=0,
-                pad_token_id=0,
+                pad_token_id=pad,
+                **lengths,
             )
-        full = torch.ones_like(qr)
+        responses, response_mask, _ = truncate_after_stop(qr[:, P:], stops, pad)  # (B, T)
+        qr, mask = torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1)  # (B, P + T)
         with torch.inference_mode():
-            ref(input_ids=qr, attention_mask=full)
-            reward(input_ids=qr, attention_mask=full)
-            value(input_ids=qr, attention_mask=full)
+            ref(input_ids=qr, attention_mask=mask)
+            reward(input_ids=qr, attention_mask=mask)
+            value(input_ids=qr, attention_mask=mask)
         for start in range(0, s.batch, mb):
-            batch, batch_mask = qr[start : start + mb], full[start : start + mb]
-            logits = policy(input_ids=batch, attention_mask=batch_mask).logits[:, PROMPT_TOKENS - 1 : -1]
-            policy_loss = -logprobs_from_logits(logits / TEMPERATURE, batch[:, PROMPT_TOKENS:]).mean()
+            batch, batch_mask, kept = (
+                qr[start : start + mb],
+                mask[start : start + mb],
+                response_mask[start : start + mb],
+            )
+            logits = policy(input_ids=batch, attention_mask=batch_mask).logits[:, P - 1 : -1]
+            logprobs = logprobs_from_logits(logits / TEMPERATURE, batch[:, P:])  # (mb, T)
+            policy_loss = -(logprobs * kept).sum() / kept.sum()
             hidden = value.transformer(input_ids=batch, attention_mask=batch_mask).last_hidden_state
-            values = value.score(hidden)[:, PROMPT_TOKENS - 1 : -1]
-            (policy_loss + values.float().square().mean()).backward()
+            values = value.score(hidden)[:, P - 1 : -1, 0]  # (mb, T)
+            (policy_loss + (values.float().square() * kept).sum() / kept.sum()).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         turn.end()
+        if turn.stopped:
+            break
+    return {}
 
 
-def run_ours_lora(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> None:
-    run_ours(work, updates, replace(setting, lora=True), turn, out)
+def run_ours_lora(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> dict[str, Any]:
+    return run_ours(work, updates, replace(setting, lora=True), turn, out)
 
 
-def run_ours_lora_unfused(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> None:
-    """Ours with LoRA as before rollouts folded the adapters: every sampling step through the adapters."""
+def run_ours_lora_unfused(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> dict[str, Any]:
+    """Ours with LoRA as before rollouts folded the adapters: every sampling step through the adapters (by
+    replacing ``engine.rollout.folded_adapters``, where the rollout calls it)."""
     import engine.rollout
 
     engine.rollout.folded_adapters = lambda model: contextlib.nullcontext()  # type: ignore[assignment]
-    run_ours_lora(work, updates, setting, turn, out)
+    return run_ours_lora(work, updates, setting, turn, out)
 
 
-def run_ours_whole_logits(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> None:
+def run_ours_whole_logits(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> dict[str, Any]:
     """Ours with each forward's (B, T, V) logits made at once, as before log-probs were taken in chunks."""
     import engine.models
 
     engine.models.LOGITS_CHUNK_BYTES = 2**62
-    run_ours(work, updates, setting, turn, out)
+    return run_ours(work, updates, setting, turn, out)
 
 
-CONTESTANTS = {
+CONTESTANTS: dict[str, Callable[[Workload, int, Setting, Turn, Path], dict[str, Any]]] = {
     "ours": run_ours,
     "trl": run_trl,
     "floor": run_floor,
@@ -403,103 +516,90 @@ CONTESTANTS = {
     "ours-lora-unfused": run_ours_lora_unfused,
     "ours-whole-logits": run_ours_whole_logits,
 }
-"""The PPO races' contestants: ours, TRL's and the floor; the LoRA speed race's: ours full, with LoRA (adapters
-folded into the weights for the rollout), and with LoRA unfused; the logits race's: ours (log-probs in chunks
-of at most 256 MiB of logits) and ours with the whole logits at once."""
+"""The PPO races' contestants: ours, TRL's and the floor, and ours with LoRA (adapters folded into the weights for
+the rollout where the engine folds them); the CPU LoRA speed race's: ours full, with LoRA, and with LoRA never
+folded; the logits race's: ours (log-probs in chunks of at most 256 MiB of logits) and ours with the whole logits
+at once."""
 
 
 def contestant(name: str, work: Workload, updates: int, setting: Setting, conn: Connection) -> None:
-    """A child process: run ``updates`` updates of ``name`` in turns, then send its peak memory."""
-    warnings.filterwarnings("ignore")
-    transformers.logging.set_verbosity_error()
+    """A child process: run up to ``updates`` updates of ``name`` in turns, then send its peak memory and what
+    else it reports at its end."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s")
     transformers.logging.disable_progress_bar()
     device = pick_device()
-    turn = Turn(conn, device)
-    with tempfile.TemporaryDirectory() as tmp:
-        CONTESTANTS[name](work, updates, setting, turn, Path(tmp))
-    conn.send(peak_memory_mib(device, turn.baseline_mib))
+    turn = Turn(conn, torch.cuda.synchronize if device.type == "cuda" else lambda: None)
+    baseline_mib = rss_mib()
+    """RSS before any model is loaded."""
+    final: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.suppress(RaceOver):  # RaceOver: stopped before update 1
+        final = CONTESTANTS[name](work, updates, setting, turn, Path(tmp))
+    peak, above = peak_memory_mib(device, baseline_mib)
+    turn.finish({**final, "peak_mib": peak, "above_baseline_mib": above})
 
 
-@dataclass
-class Result:
-    seconds: list[float]
-    """Per counted update (after the warm-up)."""
-    peak_mib: float
-    above_baseline_mib: float | None
+def race_record(
+    size_name: str, work: Workload, setting: Setting, results: dict[str, Result], peak_tflops: float
+) -> dict[str, Any]:
+    """One race as the report and the GPU check's summary read it (JSON-ready)."""
+    return {
+        "size": size_name,
+        "shape": asdict(work.size),
+        "case": work.case,
+        "prompt_tokens": work.prompt_tokens,
+        "minibatches": MINIBATCHES,
+        "setting": asdict(setting),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "flops": update_flops(work.size, work.prompt_tokens),
+        "peak_tflops": peak_tflops,
+        "contestants": {name: asdict(r) for name, r in results.items()},
+    }
 
 
-def race(work: Workload, names: list[str], updates: int, setting: Setting) -> dict[str, Result]:
-    """The contestants in processes of their own, taking turns one update at a time."""
-    context = multiprocessing.get_context("spawn")
-    conns, processes = {}, []
-    for name in names:
-        conns[name], child = context.Pipe()
-        processes.append(context.Process(target=contestant, args=(name, work, WARMUP + updates, setting, child)))
-        processes[-1].start()
-    for name in names:
-        if conns[name].recv() != "ready":
-            raise RuntimeError(f"{name} did not start")
-    seconds: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(WARMUP + updates):
-        for name in names:
-            conns[name].send("go")
-            seconds[name].append(conns[name].recv())
-    results = {}
-    for name in names:
-        conns[name].send("go")  # past the last update: finish (a checkpoint, cleanup) and report memory
-        peak, above = conns[name].recv()
-        results[name] = Result(seconds[name][WARMUP:], peak, above)
-    for process in processes:
-        process.join()
-        if process.exitcode != 0:
-            raise RuntimeError(f"a contestant failed (exit code {process.exitcode})")
-    return results
+class Report:
+    """The races of one run: each printed when it ends, all saved to ``path`` (JSON, when given) after every round,
+    so a run killed from outside leaves what it had measured."""
 
+    def __init__(self, path: Path | None, peak_tflops: float) -> None:
+        self.path = path
+        self.peak_tflops = peak_tflops
+        self.records: list[dict[str, Any]] = []
 
-# --- report ----------------------------------------------------------------------------------------------
+    def race(
+        self,
+        size_name: str,
+        work: Workload,
+        names: list[str],
+        updates: int,
+        setting: Setting,
+        warmup: int = WARMUP,
+        deadline: float | None = None,
+    ) -> dict[str, Any]:
+        """Race ``names`` on ``work``; returns the race's record."""
+        contestants = {name: (contestant, (name, work, warmup + updates, setting)) for name in names}
+        index = len(self.records)
+        self.records.append({})
 
+        def save(results: dict[str, Result]) -> None:
+            self.records[index] = race_record(size_name, work, setting, results, self.peak_tflops)
+            if self.path is not None:
+                self.path.write_text(json.dumps(self.records, indent=1))
 
-def report(
-    title: str, size: Size, results: dict[str, Result], peak_tflops: float = BF16_PEAK_TFLOPS
-) -> dict[str, float]:
-    """Print one race; returns each contestant's memory figure (above baseline on CPU, CUDA peak on GPU)."""
-    tokens = size.batch * size.response
-    median = {name: statistics.median(r.seconds) for name, r in results.items()}
-    print(f"\n{title}: {asdict(size)}, prompts {PROMPT_TOKENS} tokens, {MINIBATCHES} minibatches, 1 epoch")
-    memory_unit = "peak MiB" if results["ours"].above_baseline_mib is None else "peak RSS MiB (above baseline)"
-    print(f"{'':<18}{'s/update':>9}{'min':>8}{'max':>8}{'tokens/s':>10}  {memory_unit}")
-    if pick_device().type == "cuda":
-        flops = update_flops(size)
-        print(f"one update needs {flops / 1e12:.2f} TFLOP; at the bf16 peak ({peak_tflops:g} TFLOP/s) "
-              f"{flops / 1e12 / peak_tflops:.3f} s")  # fmt: skip
-        for name in median:
-            achieved = flops / median[name] / 1e12
-            print(f"{name}: {achieved:.1f} TFLOP/s, {achieved / peak_tflops:.1%} of the peak")
-    memory = {}
-    for name, r in results.items():
-        above = "" if r.above_baseline_mib is None else f" ({r.above_baseline_mib:.0f})"
-        print(
-            f"{name:<18}{median[name]:>9.3f}{min(r.seconds):>8.3f}{max(r.seconds):>8.3f}{tokens / median[name]:>10.0f}"
-            f"  {r.peak_mib:.0f}{above}"
-        )
-        memory[name] = r.peak_mib if r.above_baseline_mib is None else r.above_baseline_mib
-    if "trl" in median:
-        print(f"ours / trl: time {median['ours'] / median['trl']:.3f}, memory {memory['ours'] / memory['trl']:.3f}")
-    for lora in ("ours-lora", "ours-lora-unfused"):
-        if lora in median:
-            print(f"{lora} / ours (full): time {median[lora] / median['ours']:.3f}")
-    if "ours-whole-logits" in median:
-        whole = "ours-whole-logits"
-        print(f"ours / {whole}: time {median['ours'] / median[whole]:.3f}, memory {memory['ours'] / memory[whole]:.3f}")
-    if "floor" in median:
-        print(f"ours / floor: time {median['ours'] / median['floor']:.3f}")
-    return memory
+        save(race(contestants, updates, warmup, deadline, on_round=save))
+        print(race_section(self.records[index]), flush=True)
+        return self.records[index]
 
 
 def main() -> None:
+    started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="*", default=["tiny", "compute"], choices=SIZES, help="speed races")
-    parser.add_argument("--updates", type=int, default=8, help="counted updates per contestant, after 2 warm-up")
+    parser.add_argument("--cases", nargs="+", default=["fixed"], choices=["fixed", "real"], help="speed races")
+    parser.add_argument(
+        "--contestants", nargs="+", default=["ours", "trl", "floor"], choices=CONTESTANTS, help="speed races"
+    )
+    parser.add_argument("--updates", type=int, default=8, help="counted updates per contestant, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="warm-up updates, all contestants at once")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--peak-tflops", type=float, default=BF16_PEAK_TFLOPS, help="CUDA: the peak to compare with")
     parser.add_argument("--memory-size", default="compute", choices=SIZES, help="size of the memory races")
@@ -510,25 +610,26 @@ def main() -> None:
     parser.add_argument(
         "--logits", action="store_true", help="race ours against ours with whole logits instead (no TRL)"
     )
+    parser.add_argument(
+        "--time-limit", type=float, help="seconds from the start: no counted update begins that would end past it"
+    )
+    parser.add_argument("--json", type=Path, help="save every race's figures here (after each round)")
     args = parser.parse_args()
-    transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+    deadline = None if args.time_limit is None else started + args.time_limit
+    report = Report(args.json, args.peak_tflops)
 
-    print(f"device {pick_device()}, dtype {args.dtype}, torch threads {torch.get_num_threads()}")
+    print(f"device {pick_device()}, dtype {args.dtype}, torch threads {torch.get_num_threads()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for size_name in args.sizes:
-            work = make_workload(SIZES[size_name], Path(tmp) / size_name)
-            if args.lora_speed:
-                names = ["ours", "ours-lora", "ours-lora-unfused"]
-                results = race(work, names, args.updates, Setting(args.dtype))
-                report(f"{size_name}, full vs LoRA r=8", work.size, results, args.peak_tflops)
-                continue
-            if args.logits:
-                results = race(work, ["ours", "ours-whole-logits"], args.updates, Setting(args.dtype))
-                report(f"{size_name}, log-probs in chunks vs whole logits", work.size, results, args.peak_tflops)
-                continue
-            results = race(work, ["ours", "trl", "floor"], args.updates, Setting(args.dtype))
-            report(f"{size_name}, full fine-tuning", work.size, results, args.peak_tflops)
+            for case in args.cases:
+                work = make_workload(SIZES[size_name], Path(tmp) / f"{size_name}-{case}", case, args.dtype)
+                names = args.contestants
+                if args.lora_speed:
+                    names = ["ours", "ours-lora", "ours-lora-unfused"]
+                elif args.logits:
+                    names = ["ours", "ours-whole-logits"]
+                report.race(size_name, work, names, args.updates, Setting(args.dtype), args.warmup, deadline)
         if args.no_memory or args.lora_speed or args.logits:
             return
         # Peak memory is reached within the first update; one counted update after the warm-up is enough.
@@ -537,10 +638,9 @@ def main() -> None:
             memory = {}
             for lora in (False, True):
                 setting = Setting(args.dtype, lora, checkpointing)
-                title = f"{args.memory_size}, {'LoRA r=8' if lora else 'full fine-tuning'}"
-                title += ", gradient checkpointing" if checkpointing else ""
-                memory[lora] = report(title, work.size, race(work, ["ours", "trl"], 1, setting))
-            print(f"memory, ours LoRA / ours full: {memory[True]['ours'] / memory[False]['ours']:.3f}")
+                record = report.race(args.memory_size, work, ["ours", "trl"], 1, setting, args.warmup)
+                memory[lora] = memory_mib(record["contestants"]["ours"])
+            print(f"memory, ours LoRA / ours full: {memory[True] / memory[False]:.3f}")
 
 
 if __name__ == "__main__":
