@@ -35,7 +35,7 @@ if ((dry)); then
     declare -A limit=([env]=60 [tiny-real]=300 [tiny-fixed]=300 [tests]=300)
 else
     sizes=(small 1b) updates=4 warmup=1 dtype=bfloat16
-    declare -A limit=([wheels]=30 [env]=20 [small-real]=90 [small-fixed]=80 [1b-real]=100 [1b-fixed]=95 [tests]=55)
+    declare -A limit=([wheels]=30 [env]=20 [small-real]=90 [small-fixed]=80 [1b-real]=90 [1b-fixed]=85 [tests]=75)
 fi
 parts=" wheels env ${PARTS:-${!limit[*]}} " # the wheels and the environment always
 bank=0 # seconds the parts so far left unused, lent to the next ones

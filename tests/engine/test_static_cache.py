@@ -228,17 +228,17 @@ def test_compiled_decoding_on_cuda_runs_cuda_graphs_recorded_once_per_shape(tmp_
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory is measured on a GPU only")
 def test_jobs_on_cuda_give_their_memory_back(tmp_path: Path) -> None:
-    """GRPO jobs decoding through CUDA graphs, one after another in one process: after the first (which leaves
-    cuBLAS' workspaces behind), each ends with the memory allocated where the last one left it, its policy gone."""
+    """Two GRPO jobs decoding through CUDA graphs, one after the other in one process: the second ends with the
+    memory allocated where the first left it (cuBLAS' workspaces and nothing else: no policy, cache or graph pool)."""
     spec = JobSpec.model_validate({
         "type": "grpo", "model": "builtin:tiny", "dataset": "builtin:digits-prompts", "reward": digits.GRADER,
         "hyperparameters": {"total_steps": 2, "batch_size": 4, "group_size": 2, "mini_batch_size": 4,
                             "response_length": 6, "stop_token": None, "dtype": "bfloat16"},
     })  # fmt: skip
     allocated = []
-    for i in range(3):
+    for i in range(2):
         assert run_job(spec, tmp_path / f"job-{i}", Callbacks(), torch.device("cuda")).status == "succeeded"
         gc.collect()
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
-    assert allocated[2] == allocated[1]
+    assert allocated[1] == allocated[0]
