@@ -28,6 +28,13 @@ from tests.models import build_model
 PROMPTS = ["we watched the film and it was", "the food", "i think this one is"]
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> None:
+    """Each test starts with no compiled code (as each job does: :func:`engine.generate.release_compiled`), so no
+    earlier test's compiles count against dynamo's recompile limit."""
+    torch.compiler.reset()
+
+
 def loaded(arch: str, folder: Path) -> tuple[PreTrainedModel, torch.Tensor, torch.Tensor, int]:
     """The model, left-padded prompts of uneven lengths (B, P) and their mask, and its EOS id."""
     ref = "builtin:tiny" if arch == "builtin" else str(build_model(arch, folder))
