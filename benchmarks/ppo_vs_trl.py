@@ -493,10 +493,10 @@ def run_ours_lora(work: Workload, updates: int, setting: Setting, turn: Turn, ou
 
 def run_ours_lora_unfused(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> dict[str, Any]:
     """Ours with LoRA as before rollouts folded the adapters: every sampling step through the adapters (by
-    replacing ``engine.rollout.folded_adapters``, where the rollout calls it)."""
+    replacing ``engine.rollout.folded_adapters``, where the rollout's sampling and critic call it)."""
     import engine.rollout
 
-    engine.rollout.folded_adapters = lambda model: contextlib.nullcontext()  # type: ignore[assignment]
+    engine.rollout.folded_adapters = lambda model, rounded=False: contextlib.nullcontext()  # type: ignore[assignment]
     return run_ours_lora(work, updates, setting, turn, out)
 
 

@@ -27,13 +27,12 @@ from engine.callbacks import Callbacks
 from engine.config import GRPOConfig, JobSpec
 from engine.data import batch_indices, encode_prompts
 from engine.distributed import Ranks
-from engine.generate import Decoder, decode_warning, job_decoder, response_texts, sample
+from engine.generate import Decoder, decode_warning, job_decoder, response_texts
 from engine.graders import RewardScores, reward_metrics
 from engine.grpo import aggregate, clipped_surrogate, tied_groups, token_advantages
 from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything
 from engine.models import (
     check_fits,
-    folded_adapters,
     frozen,
     load_causal_lm,
     prepare,
@@ -43,7 +42,7 @@ from engine.models import (
 from engine.ops import truncate_after_stop
 from engine.ppo import kl_per_token
 from engine.rewards import RewardFunction, eval_metrics, samples_of
-from engine.rollout import base_of, logged_samples, samples_due
+from engine.rollout import base_of, logged_samples, sample_responses, samples_due
 
 MB_STATS = ("pg", "kl", "clip", "akl")
 """Per-minibatch statistics: policy loss, KL loss term, clip fraction, approx-KL."""
@@ -210,10 +209,9 @@ def rollout(
     queries, query_mask = encode_prompts(tokenizer, [row["prompt"] for row in rows], cfg.max_prompt_length)
     queries, query_mask, rows = queries[share].to(device), query_mask[share].to(device), rows[share]
     policy.eval()
-    with folded_adapters(policy):  # LoRA: folded in float32, unfused in half precision (FOLDED_DTYPES)
-        raw, raw_logprobs = sample(policy, queries, query_mask, cfg.response_length, cfg.temperature,
-                                   top_k=cfg.top_k, eos_token_id=stop_token_ids, generator=generator,
-                                   group_size=group_size, decoder=decoder)  # fmt: skip
+    raw, raw_logprobs = sample_responses(policy, queries, query_mask, cfg.response_length, cfg.temperature,
+                                         cfg.top_k, stop_token_ids, generator, cfg.mini_batch_size, group_size,
+                                         decoder)  # fmt: skip
     responses, mask, stopped = truncate_after_stop(raw, stop_token_ids, tokenizer.pad_token_id)
     P = queries.shape[1]
     query_responses = torch.cat([queries.repeat_interleave(group_size, 0), responses], dim=1)  # (N, P + T)

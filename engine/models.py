@@ -382,8 +382,19 @@ update, the more of it is lost), and every adapted weight rounded to its nearest
 sampler's log-probs several times as far from the training pass as sampling's own kernels do."""
 
 
+def rounds_when_folded(model: torch.nn.Module) -> bool:
+    """Whether folding ``model``'s LoRA adapters into its weights would round them: an adapted weight in half
+    precision (not of :data:`FOLDED_DTYPES`)."""
+    if not is_lora(model):  # type: ignore[arg-type]
+        return False
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    return any(adapted_parameter(m).dtype not in FOLDED_DTYPES for m in layers)
+
+
 @contextmanager
-def folded_adapters(model: torch.nn.Module) -> Iterator[None]:
+def folded_adapters(model: torch.nn.Module, rounded: bool = False) -> Iterator[None]:
     """Within this block a LoRA model samples and runs its no-grad forwards with log-probs that agree with its
     unfused training pass as closely as a model without adapters agrees with itself (PPO's old log-probs, ratio and
     KL are taken across the two), as fast as that allows. Not for training passes (the adapters get no gradient
@@ -393,7 +404,9 @@ def folded_adapters(model: torch.nn.Module) -> Iterator[None]:
     one matmul instead of three: the full model's speed, its outputs the adapters' to within float32 rounding. A
     half-precision layer (bfloat16, float16) keeps its adapters unfused and runs the training pass's own
     arithmetic, at the cost of the adapters' own small kernels (two matmuls and their casts): folded into a
-    half-precision weight they would be rounded (:data:`FOLDED_DTYPES`).
+    half-precision weight they would be rounded (:data:`FOLDED_DTYPES`). ``rounded``: fold those too, rounded, for
+    sampling at the full model's speed whose log-probs are then taken again unfused
+    (:func:`engine.rollout.sample_responses`).
 
     The base weights are copied before folding and copied back after, never subtracted again, so folding any
     number of times leaves them bit-identical. A model without adapters is left as it is. An adapted parameter
@@ -407,7 +420,7 @@ def folded_adapters(model: torch.nn.Module) -> Iterator[None]:
     layers = [
         m
         for m in model.modules()
-        if isinstance(m, LoraLayer) and not m.merged and adapted_parameter(m).dtype in FOLDED_DTYPES
+        if isinstance(m, LoraLayer) and not m.merged and (rounded or adapted_parameter(m).dtype in FOLDED_DTYPES)
     ]
     weights = [adapted_parameter(layer) for layer in layers]
     with torch.no_grad():

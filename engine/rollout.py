@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.distributed import Ranks
 from engine.generate import Decoder, response_texts, sample
-from engine.models import ScalarHead, folded_adapters, token_logprobs
+from engine.models import ScalarHead, folded_adapters, rounds_when_folded, token_logprobs
 from engine.ops import is_stop, truncate_after_stop
 from engine.reward import score_texts, sequence_scores
 
@@ -146,6 +146,42 @@ def logged_samples(
 
 
 @torch.inference_mode()
+def sample_responses(
+    policy: PreTrainedModel,
+    queries: torch.Tensor,
+    query_mask: torch.Tensor,
+    response_length: int,
+    temperature: float,
+    top_k: int,
+    stop_token_ids: Sequence[int],
+    generator: torch.Generator,
+    chunk_size: int,
+    group_size: int = 1,
+    decoder: Decoder | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``group_size`` responses to each query (B, P), with their log-probs: raw tokens and log-probs (B·G, T), as
+    :func:`engine.generate.sample` gives them. LoRA adapters are folded into the weights for the sampling (the full
+    model's speed). Where folding rounds them (half-precision weights, :func:`engine.models.rounds_when_folded`),
+    the log-probs of the sampled tokens are taken again by the training pass itself (adapters unfused,
+    ``chunk_size`` rows at a time): PPO's old log-probs, ratio, approx-KL and KL then agree with the update's. That
+    is one forward over the sampled tokens, where decoding unfused pays the adapters' kernels at every token."""
+    with folded_adapters(policy, rounded=True):
+        raw, logprobs = sample(policy, queries, query_mask, response_length, temperature, top_k=top_k,
+                               eos_token_id=stop_token_ids, generator=generator, group_size=group_size,
+                               decoder=decoder)  # fmt: skip
+    if rounds_when_folded(policy):
+        P = queries.shape[1]
+        query_responses = torch.cat([queries.repeat_interleave(group_size, 0), raw], dim=1)  # (B·G, P + T)
+        attention_mask = torch.cat([query_mask.repeat_interleave(group_size, 0), torch.ones_like(raw)], dim=1)
+        # taken over every sampled token: those after a row's stop are junk, as the sampler's are (the caller masks)
+        chunks = [slice(i, i + chunk_size) for i in range(0, raw.shape[0], chunk_size)]
+        logprobs = torch.cat(
+            [token_logprobs(policy, query_responses[c], attention_mask[c], P, temperature)[0] for c in chunks]
+        )
+    return raw, logprobs
+
+
+@torch.inference_mode()
 def make_rollout(
     policy: PreTrainedModel,
     ref_policy: PreTrainedModel | None,
@@ -165,27 +201,28 @@ def make_rollout(
 ) -> Rollout:
     """Sample one response per query (B, P) of the dataset ``rows``, each up to its first of ``stop_token_ids``
     (none: ``response_length`` tokens), and evaluate it with reference, critic and reward
-    model (``scorer``) in chunks of ``chunk_size``. The policy's log-probabilities come from sampling itself; the
-    sampling and the critic's forward run under :func:`folded_adapters` (LoRA folded in float32, unfused in half
-    precision, so the old log-probs and values agree with the update's).
+    model (``scorer``) in chunks of ``chunk_size``. The policy's log-probabilities come from sampling itself
+    (:func:`sample_responses`: LoRA folded, its log-probs taken again where the fold rounds); the critic's forward
+    runs under :func:`folded_adapters` (folded in float32, unfused in half precision, so the values agree with
+    the update's).
 
     A ``None`` reference means: the policy's base, with its LoRA adapters disabled. ``decoder``: the job's
     compiled decoding on static caches (:class:`engine.generate.Decoder`); None: the growing cache, eagerly.
     """
     policy.eval()
     value_model.eval()
-    with folded_adapters(policy):
-        raw, raw_logprobs = sample(
-            policy,
-            queries,
-            query_mask,
-            response_length,
-            temperature,
-            top_k=top_k,
-            eos_token_id=stop_token_ids,
-            generator=generator,
-            decoder=decoder,
-        )  # (B, T)
+    raw, raw_logprobs = sample_responses(
+        policy,
+        queries,
+        query_mask,
+        response_length,
+        temperature,
+        top_k,
+        stop_token_ids,
+        generator,
+        chunk_size,
+        decoder=decoder,
+    )  # (B, T)
     responses, mask, stopped = truncate_after_stop(raw, stop_token_ids, pad_token_id)
     query_responses = torch.cat([queries, responses], dim=1)  # (B, P + T)
     attention_mask = torch.cat([query_mask, mask], dim=1)
