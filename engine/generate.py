@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StaticCache
+from transformers.cache_utils import StaticLayer
 
 from engine.callbacks import Callbacks
 from engine.data import encode_prompts
@@ -180,7 +181,10 @@ class Decoder:
         """The static cache of ``rows`` x ``length`` positions, emptied: the same tensors every rollout."""
         key = (rows, length)
         if key not in self._caches:
-            self._caches[key] = StaticCache(config=self.model.config, max_cache_len=length)
+            self._caches[key] = cache = StaticCache(config=self.model.config, max_cache_len=length)
+            if (window := _unslide(cache, length)) and self._compiled is not None:
+                self._fall_back(f"a sliding window of {window} positions, shorter than the cache's {length}: its "
+                                "position counter would make dynamo recompile the step at every token")  # fmt: skip
             while len(self._caches) > KEPT_CACHES:
                 self._caches.popitem(last=False)  # the least recently used
         self._caches.move_to_end(key)
@@ -316,6 +320,18 @@ def _prefill(
         first_logits, attention_mask, positions = (t.index_select(0, index) for t in (first_logits, attention_mask,
                                                                                       positions))  # fmt: skip
     return cache, first_logits, attention_mask, positions, padded_length
+
+
+def _unslide(cache: StaticCache, length: int) -> int | None:
+    """``cache``'s sliding-window layers whose window holds all its ``length`` positions made plain static layers,
+    in place: the same attention (the window never slides), without the Python position counter that dynamo would
+    recompile the decoding step on at every token. Returns the window of a sliding layer left, if any."""
+    layers: list[Any] = cache.layers
+    for i, layer in enumerate(layers):
+        if getattr(layer, "is_sliding", False) and layer.max_cache_len >= length:  # min(window, length) == length
+            layers[i] = StaticLayer(max_cache_len=length)
+    left = [layer.max_cache_len for layer in layers if getattr(layer, "is_sliding", False)]
+    return min(left) if left else None
 
 
 def _copy_rows(source: StaticCache, target: StaticCache, index: torch.Tensor) -> None:

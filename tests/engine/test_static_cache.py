@@ -122,6 +122,19 @@ def test_compiles_are_bounded_whatever_the_prompt_lengths_and_batch_sizes(tmp_pa
     assert decoder.compiled_fraction() == 1.0
 
 
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_sliding_window_models_compile_once_per_shape(tmp_path: Path, arch: str) -> None:
+    """Mistral's and Gemma 2's sliding-window layers (a window of 4,096 positions, more than the cache holds) decode
+    as plain static layers: one compile for the shape, not one at every token, and the growing cache's tokens."""
+    model, queries, mask, _ = loaded(arch, tmp_path)
+    decoder = Decoder(model, max_prompt_length=16, max_rows=4, compile={"backend": Recording()})
+    plain = sample(model, queries, mask, 10, 1.0, generator=torch.Generator().manual_seed(0))
+    compiled = sample(model, queries, mask, 10, 1.0, generator=torch.Generator().manual_seed(0), decoder=decoder)
+    assert torch.equal(compiled[0], plain[0])
+    torch.testing.assert_close(compiled[1], plain[1], rtol=0, atol=1e-5)
+    assert decoder.stats.compiles == {"4x26": 1} and decoder.stats.eager_steps == 0
+
+
 def test_a_recompile_limit_reached_anyway_is_a_fallback_not_a_silent_eager(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
