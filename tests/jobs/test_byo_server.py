@@ -27,7 +27,7 @@ from tests.models import SYSTEM_PROMPT, build_model, chat_rows, openai_rows, wri
 from tests.test_e2e import finished, free_port, wait_for
 
 LORA = {"r": 8, "alpha": 16}
-PPO_STEPS = 60
+PPO_STEPS = 30
 ROWS = 256
 
 
@@ -37,12 +37,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Client, P
     data, standing in for the pretrained checkpoint a user brings), so that LoRA has something to adapt."""
     work = tmp_path_factory.mktemp("pretrain")
     data = write_jsonl(chat_rows("sft_messages", ROWS), work / "sft.jsonl")
-    hyperparameters = {"max_steps": 150, "batch_size": 32, "learning_rate": 3e-3, "warmup_steps": 5}
+    hyperparameters = {"max_steps": 50, "batch_size": 32, "learning_rate": 3e-3, "warmup_steps": 5}
     spec = {"type": "sft", "model": str(build_model("llama", work / "random")), "dataset": str(data),
             "hyperparameters": hyperparameters}  # fmt: skip
     assert run_job(JobSpec.model_validate(spec), work / "job", device=torch.device("cpu")).status == "succeeded"
     root = tmp_path_factory.mktemp("models")
-    shutil.copytree(work / "job" / "checkpoints" / "step-150" / "policy", root / "llama")
+    shutil.copytree(work / "job" / "checkpoints" / "step-50" / "policy", root / "llama")
     before = os.environ.get("RLHF_MODEL_ROOT")
     os.environ["RLHF_MODEL_ROOT"] = str(root)
     try:
