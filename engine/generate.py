@@ -380,12 +380,12 @@ def sample(
     """
     B, P = input_ids.shape
     rows = B * group_size
-    position_ids = position_ids_from_mask(attention_mask)  # (B, P)
     if decoder is not None:
         cache, first_logits, attention_mask, position_ids, P = _prefill(
             model, decoder, input_ids, attention_mask, max_new_tokens, group_size
         )
     else:
+        position_ids = position_ids_from_mask(attention_mask)  # (B, P)
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
                     logits_to_keep=1)  # fmt: skip
         cache, first_logits = out.cache, out.logits[:, -1]  # (B, V)
