@@ -1,7 +1,7 @@
 """Fingerprints of short training runs, to show that a refactor of the engine changed no number.
 
-Runs, on the CPU with fixed seeds and deterministic algorithms, a few short SFT, reward-model (from the SFT)
-and PPO (from both) jobs with ``engine.run.run_job`` in a temporary folder, and prints one line per job:
+Runs, on the CPU with fixed seeds and deterministic algorithms, a few short SFT, reward-model (from the SFT),
+PPO (from both), DPO and GRPO (from the SFT) jobs with ``engine.run.run_job`` in a temporary folder, and prints one line per job:
 
     <job> metrics=<sha256> weights=<sha256> [events=<sha256>] result=<status>@<step>
 
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from engine.builtin import digits
 from engine.callbacks import Callbacks, StopRequest
 from engine.config import JobSpec
 from engine.run import run_job
@@ -146,6 +147,12 @@ def main() -> None:
             "collapse_kl_factor": 1.01,
             "collapse_kl_min": 0.0,
         }
+        dpo_job = {"type": "dpo", "model": str(sft), "dataset": "builtin:reviews-prefs"}
+        dpo_hp = {"batch_size": 8, "max_steps": 4, "learning_rate": 1e-3, "eval_every": 2}
+        digits_sft = root / "sft-digits"  # a policy that sometimes answers right: GRPO's groups are not all tied
+        grpo_job = {"type": "grpo", "model": str(digits_sft), "dataset": "builtin:digits-prompts", "reward": digits.GRADER}
+        grpo_hp = {"total_steps": 3, "batch_size": 4, "group_size": 4, "mini_batch_size": 8, "response_length": 4,
+                   "learning_rate": 1e-3, "num_iterations": 2}  # fmt: skip
         jobs: list[tuple[str, dict[str, Any], int | None]] = [
             ("sft", {**sft_job, "eval_dataset": "builtin:reviews-sft-eval", "hyperparameters": sft_hp}, None),
             ("sft-ga2", {**sft_job, "hyperparameters": {**sft_hp, "max_steps": 4, "gradient_accumulation_steps": 2}},
@@ -162,9 +169,25 @@ def main() -> None:
                                                         "value_learning_rate": 3e-4}}, None),
             ("ppo-resume", {**ppo_job, "hyperparameters": {**PPO_SMALL, "lr_scheduler": "cosine"}}, 2),
             ("ppo-collapse", {**ppo_job, "hyperparameters": ppo_collapse, "checkpoint_every": 2}, None),
+            ("dpo", {**dpo_job, "eval_dataset": "builtin:reviews-prefs-eval", "hyperparameters": dpo_hp}, None),
+            ("dpo-ipo-lora", {**dpo_job, "lora": {"r": 4}, "hyperparameters": {**dpo_hp, "loss_type": "ipo"}}, None),
+            ("dpo-rpo-ga2", {**dpo_job, "hyperparameters": {**dpo_hp, "sft_loss_coef": 0.5,
+                                                            "gradient_accumulation_steps": 2}}, 2),
+            ("sft-digits", {**sft_job, "dataset": "builtin:digits-sft", "hyperparameters": {
+                **sft_hp, "max_steps": 30, "batch_size": 16}}, None),
+            ("grpo", {**grpo_job, "eval_dataset": "builtin:digits-prompts-eval",
+                      "hyperparameters": {**grpo_hp, "eval_every": 2, "eval_max_prompts": 8}}, None),
+            ("grpo-rloo-lora", {**grpo_job, "lora": {"r": 4}, "hyperparameters": {
+                **grpo_hp, "advantage_estimator": "rloo", "cliprange_high": 0.28, "kl_estimator": "k2"}}, None),
+            ("grpo-dr-ga2", {**grpo_job, "hyperparameters": {**grpo_hp, "advantage_estimator": "dr_grpo",
+                                                             "gradient_accumulation_steps": 2}}, 1),
+            ("grpo-rpp", {**grpo_job, "hyperparameters": {**grpo_hp, "advantage_estimator": "reinforce_pp",
+                                                          "loss_aggregation": "sequence_mean"}}, None),
+            ("grpo-rpp-base", {**grpo_job, "hyperparameters": {
+                **grpo_hp, "advantage_estimator": "reinforce_pp_baseline", "kl_coef": 0.0}}, None),
         ]  # fmt: skip
         for name, data, pause_after in jobs:
-            out = {"sft": sft, "rm": rm}.get(name, root / name)
+            out = {"sft": sft, "rm": rm, "sft-digits": digits_sft}.get(name, root / name)
             run(name, data, out, pause_after)
     sys.stdout.flush()
 
