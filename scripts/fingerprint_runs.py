@@ -1,7 +1,8 @@
 """Fingerprints of short training runs, to show that a refactor of the engine changed no number.
 
 Runs, on the CPU with fixed seeds and deterministic algorithms, a few short SFT, reward-model (from the SFT),
-PPO (from both), DPO and GRPO (from the SFT) jobs with ``engine.run.run_job`` in a temporary folder, and prints one line per job:
+PPO (from both), DPO and GRPO (from an SFT) jobs with ``engine.run.run_job`` in a temporary folder, and prints
+one line per job:
 
     <job> metrics=<sha256> weights=<sha256> [events=<sha256>] result=<status>@<step>
 
@@ -150,7 +151,8 @@ def main() -> None:
         dpo_job = {"type": "dpo", "model": str(sft), "dataset": "builtin:reviews-prefs"}
         dpo_hp = {"batch_size": 8, "max_steps": 4, "learning_rate": 1e-3, "eval_every": 2}
         digits_sft = root / "sft-digits"  # a policy that sometimes answers right: GRPO's groups are not all tied
-        grpo_job = {"type": "grpo", "model": str(digits_sft), "dataset": "builtin:digits-prompts", "reward": digits.GRADER}
+        grpo_job = {"type": "grpo", "model": str(digits_sft), "dataset": "builtin:digits-prompts",
+                    "reward": digits.GRADER}  # fmt: skip
         grpo_hp = {"total_steps": 3, "batch_size": 4, "group_size": 4, "mini_batch_size": 8, "response_length": 4,
                    "learning_rate": 1e-3, "num_iterations": 2}  # fmt: skip
         jobs: list[tuple[str, dict[str, Any], int | None]] = [
