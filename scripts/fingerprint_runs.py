@@ -133,7 +133,6 @@ def main() -> None:
             "normalize_scores": True,
             "score_clip": 3.0,
             "adaptive_kl": True,
-            "kl_estimator": "k3",
             "eval_every": 2,
         }
         # the flat collapse names (accepted before and after the nested group), tuned so that a kl_jump fires
