@@ -19,6 +19,7 @@ from engine.graders import (
     reward_metrics,
     score,
 )
+from engine.learner import Tokens
 from engine.models import frozen, load_scalar_model, load_tokenizer, prepare
 from engine.reward import score_texts
 from engine.rollout import Scorer, decode_responses
@@ -69,29 +70,16 @@ def grader_scorer(
     reward: RewardFunction,
     tokenizer: PreTrainedTokenizerBase,
     stop_token_ids: Sequence[int],
-    record: list[RewardScores],
 ) -> Scorer:
-    """PPO's scorer for a reward of graders: each rollout chunk's decoded responses scored by ``reward``, its
-    :class:`RewardScores` appended to ``record`` (for the per-component metrics)."""
+    """The scorer of a reward of graders: the decoded responses scored by ``reward``, with each component's
+    scores."""
 
-    def score(
-        rows: Sequence[dict[str, Any]], query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int
-    ) -> torch.Tensor:
-        texts, stopped = decode_responses(tokenizer, query_responses, attention_mask, P, stop_token_ids)
+    def score(rows: Sequence[dict[str, Any]], tokens: Tokens) -> tuple[torch.Tensor, RewardScores]:
+        texts, stopped = decode_responses(tokenizer, tokens, stop_token_ids)
         scored = reward(samples_of(tokenizer, rows, texts), stopped)
-        record.append(scored)
-        return torch.tensor(scored.total, dtype=torch.float32, device=query_responses.device)
+        return torch.tensor(scored.total, dtype=torch.float32, device=tokens.query_responses.device), scored
 
     return score
-
-
-def merged(parts: Sequence[RewardScores]) -> RewardScores:
-    """The scores of several batches as one (each batch's components alike)."""
-    components: dict[str, list[float]] = {}
-    for part in parts:
-        for name, values in part.components.items():
-            components.setdefault(name, []).extend(values)
-    return RewardScores([value for part in parts for value in part.total], components)
 
 
 def gathered(scored: RewardScores, ranks: Ranks, device: torch.device) -> RewardScores:

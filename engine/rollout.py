@@ -1,46 +1,109 @@
-"""PPO rollouts: sample responses, then score them with policy, reference, critic and reward model.
-
-Every forward here runs under ``torch.inference_mode()``; the training forwards are in ppo_train.py.
+"""Rollouts, for every online method (PPO, GRPO and its relatives, distillation): sample responses to a batch of
+prompts, ``group_size`` each, then take the reference's log-probs, the reward's scores and, with a critic, its
+values. Every forward here runs without a graph; the training forwards are the :class:`engine.learner.Learner`'s.
 """
 
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from engine.config import GRPOConfig, PPOConfig
+from engine.data import encode_prompts
 from engine.distributed import Ranks
-from engine.generate import Decoder, response_texts, sample
-from engine.models import ScalarHead, folded_adapters, rounds_when_folded, token_logprobs
+from engine.generate import decode_warning, job_decoder, response_texts
+from engine.graders import RewardScores
+from engine.learner import Learner, Reference, Sampling, Tokens, base_of, chunks
+from engine.loop import Run
+from engine.models import (
+    ScalarHead,
+    check_fits,
+    folded_adapters,
+    frozen,
+    load_causal_lm,
+    prepare,
+    resolve_stop_token,
+)
 from engine.ops import is_stop, truncate_after_stop
 from engine.reward import score_texts, sequence_scores
 
 
 @dataclass
 class Rollout:
+    """A batch's samples: N = prompts × group_size rows, a prompt's samples next to each other."""
+
     query_responses: torch.Tensor
-    """Prompt (left-padded) followed by response (right-padded): (B, P + T)."""
+    """Prompt (left-padded) followed by response (right-padded): (N, P + T)."""
     attention_mask: torch.Tensor
-    """1 on prompt and kept response tokens: (B, P + T)."""
+    """1 on prompt and kept response tokens: (N, P + T)."""
     context_length: int
     """P, where the responses start."""
     responses: torch.Tensor
-    """Response tokens, pad after the stop token: (B, T)."""
+    """Response tokens, pad after the stop token: (N, T)."""
     mask: torch.Tensor
-    """1 on kept response tokens (up to and including the stop token): (B, T)."""
+    """1 on kept response tokens (up to and including the stop token): (N, T)."""
     stopped: torch.Tensor
-    """Whether each response produced a stop token: (B,)."""
+    """Whether each response produced a stop token: (N,)."""
     logprobs: torch.Tensor
-    """Policy log-probabilities of the response tokens at the sampling temperature, 0 after the stop: (B, T).
-    Taken while sampling: the same numbers as a forward over the whole sequence, up to rounding."""
+    """The sampling policy's log-probabilities of the response tokens at the sampling temperature, 0 after the
+    stop: (N, T). Taken while sampling: the same numbers as a forward over the whole sequence, up to rounding."""
     ref_logprobs: torch.Tensor
-    """Reference log-probabilities, same temperature: (B, T)."""
-    values: torch.Tensor
-    """Critic's values of the states before each response token: (B, T)."""
+    """The reference's, same temperature, 0 after the stop; the policy's own without a reference: (N, T)."""
     scores: torch.Tensor
-    """Reward model's score at the last kept token: (B,)."""
+    """The reward of each sample: (N,)."""
+    values: torch.Tensor | None = None
+    """With a critic, its values of the states before each response token: (N, T)."""
+
+    @property
+    def tokens(self) -> Tokens:
+        return Tokens(self.query_responses, self.attention_mask, self.context_length)
+
+
+Scorer = Callable[[Sequence[dict[str, Any]], Tokens], tuple[torch.Tensor, RewardScores | None]]
+"""The reward of rollout rows: (their dataset rows, their tokens) -> (scores (n,), and for a reward of graders their
+:class:`RewardScores`, each component's). See :func:`token_scorer`, :func:`text_scorer` and
+:func:`engine.rewards.grader_scorer`."""
+
+
+@torch.inference_mode()
+def roll_out(
+    learner: Learner,
+    rows: Sequence[dict[str, Any]],
+    queries: torch.Tensor,
+    query_mask: torch.Tensor,
+    generator: torch.Generator,
+    scorer: Scorer,
+    pad_token_id: int,
+    group_size: int = 1,
+    critic: PreTrainedModel | None = None,
+) -> tuple[Rollout, RewardScores | None]:
+    """``group_size`` responses to each query (B, P) of the dataset ``rows``, each up to its first stop token,
+    with the sampler's log-probs (:meth:`Learner.sample`), the reference's (none: the policy's own), the
+    ``scorer``'s rewards and, with a ``critic`` (a sequence-classification model), its values, taken under
+    :func:`engine.models.folded_adapters` (folded in float32, unfused in half precision, so the values agree with
+    the update's). Forwards run ``learner.chunk_size`` rows at a time."""
+    raw, raw_logprobs = learner.sample(queries, query_mask, generator, group_size)  # (N, T)
+    responses, mask, stopped = truncate_after_stop(raw, learner.sampling.stop_token_ids, pad_token_id)
+    query_responses = torch.cat([queries.repeat_interleave(group_size, 0), responses], dim=1)  # (N, P + T)
+    attention_mask = torch.cat([query_mask.repeat_interleave(group_size, 0), mask], dim=1)
+    tokens = Tokens(query_responses, attention_mask, queries.shape[1])
+    logprobs = raw_logprobs * mask
+    ref_logprobs = learner.forward(tokens, reference=True) * mask if learner.reference is not None else logprobs
+    scores, graded = scorer([row for row in rows for _ in range(group_size)], tokens)
+    values = None
+    if critic is not None:
+        critic.eval()
+        with folded_adapters(critic):  # after the scorer, which may take the critic's base (adapters disabled)
+            head = ScalarHead(critic)
+            parts = chunks(len(tokens), learner.chunk_size)
+            values = torch.cat([response_values(head, query_responses[c], attention_mask[c], tokens.context_length)
+                                for c in parts])  # fmt: skip
+    rollout = Rollout(query_responses, attention_mask, tokens.context_length, responses, mask, stopped, logprobs,
+                      ref_logprobs, scores, values)  # fmt: skip
+    return rollout, graded
 
 
 def response_values(
@@ -51,25 +114,17 @@ def response_values(
     return values[:, context_length - 1 : -1]
 
 
-def base_of(model: PreTrainedModel) -> AbstractContextManager[None]:
-    """Within this block a LoRA model computes as its frozen base model."""
-    return model.disable_adapter()  # type: ignore[operator]
-
-
-Scorer = Callable[[Sequence[dict[str, Any]], torch.Tensor, torch.Tensor, int], torch.Tensor]
-"""Scores of rollout rows: (their dataset rows, query_responses (b, P + T), attention_mask (b, P + T), P) -> (b,).
-See :func:`token_scorer`, :func:`text_scorer` and :func:`engine.rewards.grader_scorer`."""
-
-
-def token_scorer(reward_model: PreTrainedModel | None, value_model: PreTrainedModel) -> Scorer:
+def token_scorer(reward_model: PreTrainedModel | None, value_model: PreTrainedModel, chunk_size: int) -> Scorer:
     """Scores of the sampled tokens themselves, for a reward model of the policy's vocabulary (``None``: the
     critic's base with its LoRA adapters disabled, the critic having started as the reward model)."""
 
-    def score(
-        rows: Sequence[dict[str, Any]], query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int
-    ) -> torch.Tensor:
-        with base_of(value_model) if reward_model is None else nullcontext():
-            return sequence_scores(reward_model or value_model, query_responses, attention_mask)
+    def score(rows: Sequence[dict[str, Any]], tokens: Tokens) -> tuple[torch.Tensor, None]:
+        parts = []
+        for c in chunks(len(tokens), chunk_size):
+            with base_of(value_model) if reward_model is None else nullcontext():
+                model = reward_model or value_model
+                parts.append(sequence_scores(model, tokens.query_responses[c], tokens.attention_mask[c]))
+        return torch.cat(parts), None
 
     return score
 
@@ -79,29 +134,28 @@ def text_scorer(
     reward_tokenizer: PreTrainedTokenizerBase,
     policy_tokenizer: PreTrainedTokenizerBase,
     stop_token_ids: Sequence[int],
+    chunk_size: int,
 ) -> Scorer:
     """Scores of the decoded responses, encoded anew by the reward model's own tokenizer (:func:`score_texts`)."""
 
-    def score(
-        rows: Sequence[dict[str, Any]], query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int
-    ) -> torch.Tensor:
-        texts, stopped = decode_responses(policy_tokenizer, query_responses, attention_mask, P, stop_token_ids)
-        prompts = [row["prompt"] for row in rows]
-        return score_texts(reward_model, reward_tokenizer, prompts, texts, stopped, policy_tokenizer)
+    def score(rows: Sequence[dict[str, Any]], tokens: Tokens) -> tuple[torch.Tensor, None]:
+        parts = []
+        for c in chunks(len(tokens), chunk_size):
+            texts, stopped = decode_responses(policy_tokenizer, tokens.rows(c), stop_token_ids)
+            prompts = [row["prompt"] for row in rows[c]]
+            parts.append(score_texts(reward_model, reward_tokenizer, prompts, texts, stopped, policy_tokenizer))
+        return torch.cat(parts), None
 
     return score
 
 
 def decode_responses(
-    tokenizer: PreTrainedTokenizerBase,
-    query_responses: torch.Tensor,
-    attention_mask: torch.Tensor,
-    P: int,
-    stop_token_ids: Sequence[int],
+    tokenizer: PreTrainedTokenizerBase, tokens: Tokens, stop_token_ids: Sequence[int]
 ) -> tuple[list[str], list[bool]]:
     """The responses of rollout rows as text (up to their stop token, special tokens dropped), and whether each
     ended with a stop token (any of ``stop_token_ids``)."""
-    responses, mask = query_responses[:, P:], attention_mask[:, P:]  # (B, T)
+    P = tokens.context_length
+    responses, mask = tokens.query_responses[:, P:], tokens.attention_mask[:, P:]  # (B, T)
     stopped = (is_stop(responses, stop_token_ids) & (mask == 1)).any(1).tolist()
     return response_texts(tokenizer, responses, mask, stop_token_ids), stopped
 
@@ -113,11 +167,7 @@ def samples_due(step: int, every: int | None) -> bool:
 
 def logged_samples(
     tokenizer: PreTrainedTokenizerBase,
-    query_responses: torch.Tensor,
-    attention_mask: torch.Tensor,
-    P: int,
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
+    ro: Rollout,
     rewards: Mapping[str, Sequence[float]],
     n: int,
     stop_token_ids: Sequence[int] = (),
@@ -125,13 +175,12 @@ def logged_samples(
     """The first ``n`` rollout rows as :meth:`engine.callbacks.Callbacks.on_samples` takes them: the prompt as the
     policy saw it (its unpadded query tokens, special tokens kept: a chat prompt shows its template), the response
     as graders read it (up to its stop token, special tokens dropped), ``rewards`` by name, the summed log-ratio to
-    the reference over the response tokens, and their count (with the stop token). ``query_responses``,
-    ``attention_mask``: (B, P + T); ``logprobs``, ``ref_logprobs``: (B, T)."""
-    qr, am = query_responses[:n], attention_mask[:n]
+    the reference over the response tokens, and their count (with the stop token)."""
+    qr, am, P = ro.query_responses[:n], ro.attention_mask[:n], ro.context_length
     mask = am[:, P:]  # (n, T)
     prompts = [tokenizer.decode(query[kept.bool()]) for query, kept in zip(qr[:, :P], am[:, :P], strict=True)]
     texts = response_texts(tokenizer, qr[:, P:], mask, stop_token_ids)
-    kls = ((logprobs[:n] - ref_logprobs[:n]) * mask).sum(1).tolist()  # (n,)
+    kls = ((ro.logprobs[:n] - ro.ref_logprobs[:n]) * mask).sum(1).tolist()  # (n,)
     lengths = mask.sum(1).tolist()  # (n,)
     return [
         {
@@ -145,109 +194,37 @@ def logged_samples(
     ]
 
 
-@torch.inference_mode()
-def sample_responses(
-    policy: PreTrainedModel,
-    queries: torch.Tensor,
-    query_mask: torch.Tensor,
-    response_length: int,
-    temperature: float,
-    top_k: int,
-    stop_token_ids: Sequence[int],
-    generator: torch.Generator,
-    chunk_size: int,
-    group_size: int = 1,
-    decoder: Decoder | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``group_size`` responses to each query (B, P), with their log-probs: raw tokens and log-probs (B·G, T), as
-    :func:`engine.generate.sample` gives them. LoRA adapters are folded into the weights for the sampling (the full
-    model's speed). Where folding rounds them (half-precision weights, :func:`engine.models.rounds_when_folded`),
-    the log-probs of the sampled tokens are taken again by the training pass itself (adapters unfused,
-    ``chunk_size`` rows at a time): PPO's old log-probs, ratio, approx-KL and KL then agree with the update's. That
-    is one forward over the sampled tokens, where decoding unfused pays the adapters' kernels at every token."""
-    with folded_adapters(policy, rounded=True):
-        raw, logprobs = sample(policy, queries, query_mask, response_length, temperature, top_k=top_k,
-                               eos_token_id=stop_token_ids, generator=generator, group_size=group_size,
-                               decoder=decoder)  # fmt: skip
-    if rounds_when_folded(policy):
-        P = queries.shape[1]
-        query_responses = torch.cat([queries.repeat_interleave(group_size, 0), raw], dim=1)  # (B·G, P + T)
-        attention_mask = torch.cat([query_mask.repeat_interleave(group_size, 0), torch.ones_like(raw)], dim=1)
-        # taken over every sampled token: those after a row's stop are junk, as the sampler's are (the caller masks)
-        chunks = [slice(i, i + chunk_size) for i in range(0, raw.shape[0], chunk_size)]
-        logprobs = torch.cat(
-            [token_logprobs(policy, query_responses[c], attention_mask[c], P, temperature)[0] for c in chunks]
-        )
-    return raw, logprobs
+HeldOutRoll = Callable[[Sequence[dict[str, Any]], torch.Generator], tuple[Rollout, RewardScores | None]]
+"""Rolls out held-out prompt rows once each: (the rows, the generator) -> their rollout and reward scores."""
 
 
-@torch.inference_mode()
-def make_rollout(
-    policy: PreTrainedModel,
-    ref_policy: PreTrainedModel | None,
-    value_model: PreTrainedModel,
-    scorer: Scorer,
-    rows: Sequence[dict[str, Any]],
-    queries: torch.Tensor,
-    query_mask: torch.Tensor,
-    response_length: int,
-    temperature: float,
-    top_k: int,
-    stop_token_ids: Sequence[int],
-    pad_token_id: int,
-    generator: torch.Generator,
-    chunk_size: int,
-    decoder: Decoder | None = None,
-) -> Rollout:
-    """Sample one response per query (B, P) of the dataset ``rows``, each up to its first of ``stop_token_ids``
-    (none: ``response_length`` tokens), and evaluate it with reference, critic and reward
-    model (``scorer``) in chunks of ``chunk_size``. The policy's log-probabilities come from sampling itself
-    (:func:`sample_responses`: LoRA folded, its log-probs taken again where the fold rounds); the critic's forward
-    runs under :func:`folded_adapters` (folded in float32, unfused in half precision, so the values agree with
-    the update's).
+@torch.no_grad()
+def held_out(
+    roll: HeldOutRoll, rows: Sequence[dict[str, Any]], batch_size: int, seed: int, device: torch.device
+) -> tuple[dict[str, torch.Tensor], RewardScores | None]:
+    """Held-out prompts, ``batch_size`` at a time, sampled as in training but from their own fixed seed (training
+    RNG untouched): each sample's ``scores``, ``kl`` (summed log-ratio to the reference) and ``length``, and
+    their reward scores (None when ``roll`` gives none)."""
+    generator = torch.Generator(device).manual_seed(seed)
+    scores, kls, lengths, graded = [], [], [], []
+    for i in range(0, len(rows), batch_size):
+        ro, scored = roll(rows[i : i + batch_size], generator)
+        scores.append(ro.scores)
+        kls.append(((ro.logprobs - ro.ref_logprobs) * ro.mask).sum(1))
+        lengths.append(ro.mask.sum(1).float())
+        if scored is not None:
+            graded.append(scored)
+    per_sample = {"scores": torch.cat(scores), "kl": torch.cat(kls), "length": torch.cat(lengths)}
+    return per_sample, merged(graded) if graded else None
 
-    A ``None`` reference means: the policy's base, with its LoRA adapters disabled. ``decoder``: the job's
-    compiled decoding on static caches (:class:`engine.generate.Decoder`); None: the growing cache, eagerly.
-    """
-    policy.eval()
-    value_model.eval()
-    raw, raw_logprobs = sample_responses(
-        policy,
-        queries,
-        query_mask,
-        response_length,
-        temperature,
-        top_k,
-        stop_token_ids,
-        generator,
-        chunk_size,
-        decoder=decoder,
-    )  # (B, T)
-    responses, mask, stopped = truncate_after_stop(raw, stop_token_ids, pad_token_id)
-    query_responses = torch.cat([queries, responses], dim=1)  # (B, P + T)
-    attention_mask = torch.cat([query_mask, mask], dim=1)
-    P = queries.shape[1]
-    chunks = [slice(i, i + chunk_size) for i in range(0, queries.shape[0], chunk_size)]
-    ref_logprobs, scores = [], []
-    for c in chunks:
-        qr, am = query_responses[c], attention_mask[c]
-        with base_of(policy) if ref_policy is None else nullcontext():
-            ref_logprobs.append(token_logprobs(ref_policy or policy, qr, am, P, temperature)[0])
-        scores.append(scorer(rows[c], qr, am, P))
-    with folded_adapters(value_model):  # after the scorer, which may take the critic's base (adapters disabled)
-        values = [response_values(ScalarHead(value_model), query_responses[c], attention_mask[c], P) for c in chunks]
-    return Rollout(
-        query_responses=query_responses,
-        attention_mask=attention_mask,
-        context_length=P,
-        responses=responses,
-        mask=mask,
-        stopped=stopped,
-        logprobs=raw_logprobs * mask,
-        ref_logprobs=torch.cat(ref_logprobs),
-        values=torch.cat(values),
-        scores=torch.cat(scores),
-    )
+
+def merged(parts: Sequence[RewardScores]) -> RewardScores:
+    """The scores of several batches as one (each batch's components alike)."""
+    components: dict[str, list[float]] = {}
+    for part in parts:
+        for name, values in part.components.items():
+            components.setdefault(name, []).extend(values)
+    return RewardScores([value for part in parts for value in part.total], components)
 
 
 def pad_responses(ro: Rollout, length: int, pad_token_id: int) -> Rollout:
@@ -267,7 +244,7 @@ def pad_responses(ro: Rollout, length: int, pad_token_id: int) -> Rollout:
         mask=pad(ro.mask, 0),
         logprobs=pad(ro.logprobs, 0),
         ref_logprobs=pad(ro.ref_logprobs, 0),
-        values=pad(ro.values, 0),
+        values=None if ro.values is None else pad(ro.values, 0),
     )
 
 
@@ -277,5 +254,86 @@ def gather_rollout(ro: Rollout, ranks: Ranks, pad_token_id: int) -> Rollout:
     if ranks.world_size == 1:
         return ro
     ro = pad_responses(ro, ranks.max(ro.responses.shape[1]), pad_token_id)
-    tensors = {f.name: ranks.gather(getattr(ro, f.name)) for f in fields(ro) if f.name != "context_length"}
-    return Rollout(context_length=ro.context_length, **tensors)
+    skipped = ("context_length", "values")
+    tensors = {f.name: ranks.gather(getattr(ro, f.name)) for f in fields(ro) if f.name not in skipped}
+    values = None if ro.values is None else ranks.gather(ro.values)
+    return Rollout(context_length=ro.context_length, values=values, **tensors)
+
+
+OnlineConfig = PPOConfig | GRPOConfig
+
+
+def open_policy(
+    run: Run,
+    cfg: OnlineConfig,
+    device: torch.device,
+    prompt_rows: Sequence[dict[str, Any]],
+    reference: bool,
+    rows_per_rollout: int,
+) -> tuple[Learner, OnlineConfig]:
+    """The :class:`Learner` of an online method's policy: the trained policy (restored when resuming), its
+    reference when ``reference`` (a frozen copy of the starting policy; with LoRA the policy with its adapters off),
+    its stop tokens, and the job's compiled decoder for ``rows_per_rollout`` samples at a time (CUDA only); and
+    ``cfg`` with ``max_prompt_length`` sized from ``prompt_rows`` and the model's context where it was null."""
+    spec, tokenizer = run.spec, run.tokenizer
+
+    def causal_lm(ref: str) -> PreTrainedModel:
+        return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
+
+    policy = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
+    ref_policy: Reference = None
+    if reference:
+        ref_policy = frozen(causal_lm(spec.model)) if spec.lora is None else "base"
+    limit = run.prompt_length(cfg.max_prompt_length, cfg.response_length, policy, prompt_rows)
+    cfg = cfg.model_copy(update={"max_prompt_length": limit})
+    check_fits(policy, limit + cfg.response_length, "max_prompt_length + response_length")
+    stop_token_ids = resolve_stop_token(cfg.stop_token, policy, tokenizer)  # (): responses run to response_length
+    sampling = Sampling(cfg.response_length, cfg.temperature, cfg.top_k, stop_token_ids)
+    decoder = job_decoder(policy, cfg.cuda_graphs, limit, rows_per_rollout, device,
+                          warn=decode_warning(run.callbacks))  # fmt: skip
+    if decoder is not None:
+        run.at_end(decoder.close)
+    learner = Learner(policy, run.ranks, sampling, cfg.mini_batch_size, ref_policy, cfg.torch_compile, decoder)
+    return learner, cfg
+
+
+@torch.inference_mode()
+def roll_out_rows(
+    learner: Learner,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: Sequence[dict[str, Any]],
+    max_prompt_length: int | None,
+    generator: torch.Generator,
+    scorer: Scorer,
+    group_size: int = 1,
+    critic: PreTrainedModel | None = None,
+    share: slice = slice(None),
+) -> tuple[Rollout, RewardScores | None]:
+    """:func:`roll_out` of the prompts of ``rows[share]`` (a process's share of a batch). The whole batch's prompts
+    are encoded together, so that every process's rollout has the same prompt width."""
+    queries, query_mask = encode_prompts(tokenizer, [row["prompt"] for row in rows], max_prompt_length)
+    device = learner.model.device
+    queries, query_mask = queries[share].to(device), query_mask[share].to(device)
+    return roll_out(learner, rows[share], queries, query_mask, generator, scorer, tokenizer.pad_token_id,
+                    group_size, critic)  # fmt: skip
+
+
+class RolloutRNG:
+    """An online method's generators: ``sampling`` (one per rank) and ``shuffle`` (the minibatch order, the same
+    on every rank), restored from a checkpoint's trainer state."""
+
+    def __init__(self, seed: int, ranks: Ranks, device: torch.device, state: dict[str, Any] | None) -> None:
+        self.ranks = ranks
+        self.sampling = torch.Generator(device).manual_seed(seed + 1_000_003 * ranks.rank)
+        self.shuffle = torch.Generator().manual_seed(seed + 1)
+        if state:
+            sampling = state["rank_generators"][ranks.rank] if ranks.world_size > 1 else state["generator"]
+            self.sampling.set_state(sampling)
+            self.shuffle.set_state(state["shuffle"])
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of them (called on every rank: it gathers the ranks' sampling states)."""
+        state: dict[str, Any] = {"generator": self.sampling.get_state(), "shuffle": self.shuffle.get_state()}
+        if self.ranks.world_size > 1:
+            state["rank_generators"] = self.ranks.gather_objects(self.sampling.get_state())
+        return state

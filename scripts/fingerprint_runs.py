@@ -113,6 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", type=Path, help="train into this folder (kept) instead of a temporary one")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the same for runs compared)")
+    parser.add_argument("--only", help="run only the jobs whose name starts with this (and the models they start from)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
@@ -187,7 +188,10 @@ def main() -> None:
             ("grpo-rpp-base", {**grpo_job, "hyperparameters": {
                 **grpo_hp, "advantage_estimator": "reinforce_pp_baseline", "kl_coef": 0.0}}, None),
         ]  # fmt: skip
+        starts = ("sft", "rm", "sft-digits")
         for name, data, pause_after in jobs:
+            if args.only and not name.startswith(args.only) and name not in starts:
+                continue
             out = {"sft": sft, "rm": rm, "sft-digits": digits_sft}.get(name, root / name)
             run(name, data, out, pause_after)
     sys.stdout.flush()

@@ -1,0 +1,341 @@
+"""The engine's training operations on one object, the :class:`Learner`: ``forward`` (log-probs of given tokens),
+``forward_backward`` (a named policy loss and its inputs, one micro-batch), ``optim_step``, ``sample``,
+``save_state`` / ``load_state``. Every training loop uses them, and so does the Tinker-compatible API.
+
+Beside it, the two drivers every loop shares: :func:`accumulate` (a minibatch as micro-batches, gradients
+accumulated, statistics summed over micro-batches and ranks) and :func:`run_updates` (passes over a batch in
+shuffled minibatches, one optimizer step each, cut short when a statistic passes its limit).
+"""
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.config import Aggregation, TrainConfig
+from engine.distributed import Ranks
+from engine.generate import Decoder, sample
+from engine.grpo import aggregate
+from engine.loop import Run, Start, check_finite, clip_and_step
+from engine.models import folded_adapters, rounds_when_folded, token_logprobs
+from engine.policy_losses import POLICY_LOSSES, LossSettings
+from engine.ppo import kl_per_token
+
+Reference = PreTrainedModel | Literal["base"] | None
+"""A policy's reference: a frozen model, ``"base"`` (a LoRA policy with its adapters disabled), or none."""
+
+
+@dataclass
+class Tokens:
+    """Sequences whose tokens from ``context_length`` on are the ones scored and trained: prompts left-padded,
+    responses right-padded."""
+
+    query_responses: torch.Tensor
+    """(N, P + T)."""
+    attention_mask: torch.Tensor
+    """1 on prompt and kept response tokens: (N, P + T)."""
+    context_length: int
+    """P, where the responses start."""
+
+    def __len__(self) -> int:
+        return self.query_responses.shape[0]
+
+    def rows(self, index: torch.Tensor | slice) -> "Tokens":
+        return Tokens(self.query_responses[index], self.attention_mask[index], self.context_length)
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A named policy loss (:data:`engine.policy_losses.POLICY_LOSSES`) and how a minibatch reduces it."""
+
+    loss: str
+    settings: LossSettings
+    aggregation: Aggregation = "token_mean"
+    max_tokens: int | None = None
+    """Response length, for the ``constant`` aggregation."""
+    kl_coef: float = 0.0
+    """β of a KL-to-the-reference loss term (0: none)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy: bool = False
+    """Whether to measure the entropy of the policy (``ent``)."""
+    entropy_coef: float = 0.0
+    """The entropy bonus's weight in the loss (0: measured only)."""
+
+
+@dataclass
+class LossInputs:
+    """A micro-batch's inputs to an :class:`Objective`, each (n, T)."""
+
+    old_logprobs: torch.Tensor
+    """The log-probs the samples were drawn with (the ratio's denominator)."""
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    """1.0 on kept response tokens."""
+    n_sequences: int
+    """Sequences of the whole minibatch (every rank's): the aggregation's divisor."""
+    n_tokens: torch.Tensor
+    """Kept tokens of the whole minibatch."""
+    ref_logprobs: torch.Tensor | None = None
+    """The reference's log-probs, for the KL loss term."""
+
+
+def base_of(model: PreTrainedModel) -> AbstractContextManager[None]:
+    """Within this block a LoRA model computes as its frozen base model."""
+    return model.disable_adapter()  # type: ignore[operator]
+
+
+def chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, i + size) for i in range(0, n, size)]
+
+
+@torch.inference_mode()
+def sequence_logprobs(model: torch.nn.Module, batch: Tokens, temperature: float, chunk_size: int) -> torch.Tensor:
+    """Log-probs (N, T) of ``batch``'s response tokens under ``model``, ``chunk_size`` rows per forward."""
+    qr, am, P = batch.query_responses, batch.attention_mask, batch.context_length
+    return torch.cat([token_logprobs(model, qr[c], am[c], P, temperature)[0] for c in chunks(len(batch), chunk_size)])
+
+
+def completion_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed cross-entropy of every labelled (completion) token; divide by the token count yourself. ``model``:
+    a causal LM, or one wrapped in DistributedDataParallel. The logits are made in chunks
+    (:func:`engine.models.token_logprobs`)."""
+    logprobs, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], start=1)  # (B, L-1)
+    return -torch.where(batch["labels"][:, 1:] != -100, logprobs, 0.0).sum()
+
+
+def count_labels(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a policy samples: response length, temperature, top-k, the stop tokens (none: run to the length)."""
+
+    response_length: int
+    temperature: float
+    top_k: int = 0
+    stop_token_ids: Sequence[int] = ()
+
+
+class Learner:
+    """A trained causal LM and its operations. ``trained`` is what gradients flow through (DistributedDataParallel
+    with several processes, compiled with ``compile``); sampling, evaluation and checkpoints use ``model``."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        ranks: Ranks,
+        sampling: Sampling,
+        chunk_size: int,
+        reference: Reference = None,
+        compile: bool = False,
+        decoder: Decoder | None = None,
+    ) -> None:
+        self.model = model
+        self.ranks = ranks
+        self.sampling = sampling
+        self.temperature = sampling.temperature
+        self.chunk_size = chunk_size
+        """Rows per no-grad forward."""
+        self.reference = reference
+        self.decoder = decoder
+        self.trained = ranks.wrap(model, compile=compile)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.max_grad_norm: float | None = None
+        self._clipped: list[torch.nn.Parameter] = self.params
+
+    def start_training(
+        self, run: Run, cfg: TrainConfig, total_steps: int, *more: tuple[list[torch.nn.Parameter], float]
+    ) -> Start:
+        """AdamW over the policy's parameters at ``cfg.learning_rate`` and ``more`` groups (e.g. a critic's), the
+        schedule, both restored when resuming (:meth:`engine.loop.Run.start_training`); :meth:`optim_step` clips
+        the norm of all of them together."""
+        start = run.start_training(cfg, total_steps, (self.params, cfg.learning_rate), *more)
+        self.optimizer, self.scheduler, self.max_grad_norm = start.optimizer, start.scheduler, cfg.max_grad_norm
+        self._clipped = [p for group in start.optimizer.param_groups for p in group["params"]]
+        return start
+
+    def scheduler_step(self) -> None:
+        """Move the learning rate along its schedule (once per training step)."""
+        assert self.scheduler is not None
+        self.scheduler.step()
+
+    @property
+    def lr(self) -> float:
+        assert self.optimizer is not None
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # -- operations ---------------------------------------------------------------------------------------------
+
+    def forward(self, batch: Tokens, reference: bool = False) -> torch.Tensor:
+        """Log-probs (N, T) of ``batch``'s response tokens under the policy, or its reference, without a graph."""
+        if not reference:
+            return sequence_logprobs(self.model, batch, self.temperature, self.chunk_size)
+        if self.reference is None:
+            raise ValueError("this policy has no reference")
+        with base_of(self.model) if self.reference == "base" else nullcontext():
+            model = self.model if self.reference == "base" else self.reference
+            return sequence_logprobs(model, batch, self.temperature, self.chunk_size)
+
+    def forward_backward(
+        self, batch: Tokens, objective: Objective, inputs: LossInputs, last: bool = True, grad: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """One micro-batch: the policy's log-probs of ``batch`` through the trained module, ``objective``'s loss
+        (plus β·KL, less the entropy bonus) backpropagated when ``grad`` (gradients accumulate; with several
+        processes they are averaged after the ``last`` micro-batch). Returns the detached statistics: ``pg`` (the
+        policy loss), ``kl`` (the KL term, with one), ``ent`` (the entropy, when measured), ``clip`` (clip
+        fraction), ``akl`` (approx-KL to the sampling policy, ½ E[log ratio²]), each this micro-batch's share of
+        the minibatch's."""
+        mask, n_tokens = inputs.mask, inputs.n_tokens
+        entropy_in_loss = grad and objective.entropy_coef > 0
+        qr, am, P = batch.query_responses, batch.attention_mask, batch.context_length
+        with self.ranks.no_sync(self.trained, last), torch.set_grad_enabled(grad):
+            logprobs, token_entropy = token_logprobs(
+                self.trained, qr, am, P, self.temperature, entropy=objective.entropy, entropy_grad=entropy_in_loss
+            )
+            out = POLICY_LOSSES[objective.loss](logprobs, inputs.old_logprobs, inputs.advantages, mask,
+                                                objective.settings)  # fmt: skip
+            pg_loss = aggregate(out.per_token, mask, objective.aggregation, inputs.n_sequences, n_tokens,
+                                objective.max_tokens)  # fmt: skip
+            loss, stats = pg_loss, {"pg": pg_loss}
+            if objective.kl_coef > 0:
+                assert inputs.ref_logprobs is not None
+                kl_terms = kl_per_token(logprobs, inputs.ref_logprobs, objective.kl_estimator)
+                stats["kl"] = aggregate(kl_terms, mask, objective.aggregation, inputs.n_sequences, n_tokens,
+                                        objective.max_tokens)  # fmt: skip
+                loss = loss + objective.kl_coef * stats["kl"]
+            if token_entropy is not None:
+                stats["ent"] = (token_entropy * mask).sum() / n_tokens
+                if entropy_in_loss:
+                    loss = loss - objective.entropy_coef * stats["ent"]
+            if grad:
+                (loss * self.ranks.loss_scale).backward()
+        with torch.no_grad():
+            log_ratio = logprobs.detach() - inputs.old_logprobs
+            stats["clip"] = (out.clipped * mask).sum() / n_tokens
+            stats["akl"] = (0.5 * log_ratio**2 * mask).sum() / n_tokens
+        return {name: value.detach() for name, value in stats.items()}
+
+    def sft_backward(self, batch: dict[str, torch.Tensor], n_tokens: int, coef: float = 1.0, last: bool = True) -> (
+        torch.Tensor
+    ):  # fmt: skip
+        """One micro-batch of next-token loss on ``batch``'s labelled tokens (``input_ids``, ``attention_mask``,
+        ``labels``), divided by ``n_tokens`` (the whole batch's label count) and weighted by ``coef``,
+        backpropagated. Returns the detached sum of the token losses."""
+        with self.ranks.no_sync(self.trained, last):
+            loss_sum = completion_loss_sum(self.trained, batch)
+            (self.ranks.loss_scale * coef * (loss_sum / n_tokens)).backward()
+        return loss_sum.detach()
+
+    def optim_step(self) -> float:
+        """Clip the global gradient norm (of every parameter the optimizer holds), step, clear the gradients;
+        returns the norm before clipping."""
+        assert self.optimizer is not None, "start_training first"
+        return clip_and_step(self._clipped, self.optimizer, self.max_grad_norm)
+
+    @torch.inference_mode()
+    def sample(
+        self, queries: torch.Tensor, query_mask: torch.Tensor, generator: torch.Generator, group_size: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``group_size`` responses to each query (B, P) with their log-probs: raw tokens and log-probs (B·G, T),
+        as :func:`engine.generate.sample` gives them (tokens after a stop are junk for the caller to truncate).
+
+        LoRA adapters are folded into the weights for the sampling (the full model's speed). Where folding rounds
+        them (half-precision weights, :func:`engine.models.rounds_when_folded`), the log-probs of the sampled
+        tokens are taken again by the training pass itself (adapters unfused): PPO's old log-probs, ratio,
+        approx-KL and KL then agree with the update's. That is one forward over the sampled tokens, where decoding
+        unfused pays the adapters' kernels at every token."""
+        s = self.sampling
+        self.model.eval()
+        with folded_adapters(self.model, rounded=True):
+            raw, logprobs = sample(self.model, queries, query_mask, s.response_length, s.temperature, top_k=s.top_k,
+                                   eos_token_id=s.stop_token_ids, generator=generator, group_size=group_size,
+                                   decoder=self.decoder)  # fmt: skip
+        if rounds_when_folded(self.model):
+            query_responses = torch.cat([queries.repeat_interleave(group_size, 0), raw], dim=1)  # (B·G, P + T)
+            attention_mask = torch.cat([query_mask.repeat_interleave(group_size, 0), torch.ones_like(raw)], dim=1)
+            # over every sampled token: those after a row's stop are junk, as the sampler's are (the caller masks)
+            logprobs = self.forward(Tokens(query_responses, attention_mask, queries.shape[1]))
+        return raw, logprobs
+
+    def save_state(self) -> dict[str, Any]:
+        """The optimizer's and the schedule's state (a checkpoint keeps them beside the weights)."""
+        assert self.optimizer is not None and self.scheduler is not None
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`save_state` returned."""
+        assert self.optimizer is not None and self.scheduler is not None
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def micro_batches(n: int, size: int) -> Iterator[tuple[slice, bool]]:
+    """The micro-batches of ``n`` rows, ``size`` each: (their slice, whether it is the last)."""
+    for first in range(0, n, size):
+        yield slice(first, first + size), first + size >= n
+
+
+MicroStep = Callable[[slice, bool], dict[str, torch.Tensor]]
+"""Forward and backward of one micro-batch: (its slice of the minibatch's rows, whether it is the last) -> its
+statistics, by name."""
+
+
+def accumulate(
+    n: int, size: int, keys: Sequence[str], step: MicroStep, ranks: Ranks, device: torch.device
+) -> dict[str, float]:
+    """Run ``step`` over the micro-batches of ``n`` rows (gradients accumulate), and return its ``keys``
+    statistics summed over the micro-batches and the ranks (one sync). A key a step does not report counts 0."""
+    totals = torch.zeros(len(keys), device=device)
+    for part, last in micro_batches(n, size):
+        stats = step(part, last)
+        zero = torch.zeros((), device=device)
+        totals += torch.stack([stats.get(key, zero).float() for key in keys])
+    return dict(zip(keys, ranks.sum(totals).tolist(), strict=True))
+
+
+Minibatch = Callable[[torch.Tensor, int], dict[str, float]]
+"""Gradients of one minibatch: (its rows' indices on the device, the update's number within the step) -> its
+statistics (:func:`accumulate`)."""
+
+
+def run_updates(
+    learner: Learner,
+    n_rows: int,
+    mini_batch_size: int,
+    epochs: int,
+    shuffle: torch.Generator,
+    minibatch: Minibatch,
+    finite: Sequence[str],
+    step: int,
+    limit: tuple[str, float] | None = None,
+) -> tuple[dict[str, list[float]], bool]:
+    """``epochs`` passes over ``n_rows`` rows in minibatches of a fresh shuffled order each (the same on every
+    rank), one :meth:`Learner.optim_step` per minibatch. The ``finite`` statistics' sum must stay finite
+    (NonFiniteLossError). With ``limit`` (a statistic and its bound), a minibatch above it ends the passes.
+
+    Returns every minibatch's statistics (``gn``: the gradient norm) and whether the limit cut the passes short."""
+    stats: dict[str, list[float]] = {}
+    device = learner.model.device
+    update = 0
+    for _ in range(epochs):
+        order = torch.randperm(n_rows, generator=shuffle)
+        for first in range(0, n_rows, mini_batch_size):
+            mb = minibatch(order[first : first + mini_batch_size].to(device), update)
+            check_finite("loss", sum(mb[key] for key in finite), step)
+            mb["gn"] = learner.optim_step()
+            update += 1
+            for key, value in mb.items():
+                stats.setdefault(key, []).append(value)
+            if limit is not None and mb[limit[0]] > limit[1]:
+                return stats, True
+    return stats, False
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
