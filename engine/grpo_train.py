@@ -29,20 +29,11 @@ from engine.graders import RewardScores, reward_metrics
 from engine.grpo import tied_groups, token_advantages
 from engine.learner import Learner, LossInputs, Objective, accumulate, mean, run_updates
 from engine.loop import JobResult, Run, load_datasets, seed_everything
+from engine.online import RolloutRNG, evaluate, open_policy, roll_out_rows
 from engine.policy_losses import LossSettings
 from engine.ppo import kl_per_token
-from engine.rewards import RewardFunction, eval_metrics, gathered, grader_scorer
-from engine.rollout import (
-    Rollout,
-    RolloutRNG,
-    Scorer,
-    gather_rollout,
-    held_out,
-    logged_samples,
-    open_policy,
-    roll_out_rows,
-    samples_due,
-)
+from engine.rewards import RewardFunction, gathered, grader_scorer
+from engine.rollout import Rollout, gather_rollout, logged_samples, samples_due
 
 MB_STATS = ("pg", "kl", "clip", "akl")
 """Per-minibatch statistics: policy loss, KL loss term, clip fraction, approx-KL."""
@@ -83,7 +74,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         # 1. rollout: each rank samples its share of the batch's prompts group_size times and scores the samples;
         #    the samples of every rank are then gathered, group by group
         batch_rows = [rows[i] for i in batch_indices(len(rows), cfg.batch_size, spec.seed, step - 1)]
-        ro, scored = roll_out_rows(learner, tokenizer, batch_rows, cfg.max_prompt_length, rng.sampling, scorer, G,
+        ro, scored = roll_out_rows(learner, tokenizer, cfg.max_prompt_length, scorer, batch_rows, rng.sampling, G,
                                    share=ranks.share(cfg.batch_size))  # fmt: skip
         assert scored is not None
         ro, scored = gather_rollout(ro, ranks, tokenizer.pad_token_id), gathered(scored, ranks, device)
@@ -128,7 +119,9 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
             metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()
         if eval_rows and run.eval_due(step, cfg.eval_every):
-            metrics.update(evaluate(learner, tokenizer, eval_rows, cfg, eval_scorer, spec.seed))
+            roll = partial(roll_out_rows, learner, tokenizer, cfg.max_prompt_length, eval_scorer)
+            held = evaluate(roll, tokenizer, eval_rows, cfg.batch_size, spec.seed, device)
+            metrics.update({k: v for k, v in held.items() if k not in ("eval/scores", "eval/kl")})
         if result := run.end_step(step, metrics, {"policy": learner.model}, rng.state):
             return result
     raise AssertionError("unreachable: the last step ends the run")
@@ -153,22 +146,6 @@ def policy_gradients(
         return learner.forward_backward(ro.tokens.rows(inds), objective, inputs, last)
 
     return accumulate(len(own), cfg.micro_batch_size // ranks.world_size, MB_STATS, micro, ranks, mask.device)
-
-
-def evaluate(
-    learner: Learner, tokenizer: PreTrainedTokenizerBase, rows: Sequence[dict[str, Any]], cfg: GRPOConfig,
-    scorer: Scorer, seed: int,
-) -> dict[str, float]:  # fmt: skip
-    """Each held-out prompt sampled once, from its own fixed seed (training RNG untouched), scored by ``scorer``:
-    ``eval/reward`` (the mean), ``eval/reward/<name>`` per component, ``eval/length_mean``."""
-
-    def roll(chunk: Sequence[dict[str, Any]], generator: torch.Generator) -> tuple[Rollout, RewardScores | None]:
-        return roll_out_rows(learner, tokenizer, chunk, cfg.max_prompt_length, generator, scorer)
-
-    per_sample, judged = held_out(roll, rows, cfg.batch_size, seed, learner.model.device)
-    metrics = eval_metrics(judged) if judged else {}
-    metrics["eval/length_mean"] = per_sample["length"].mean().item()
-    return metrics
 
 
 def grpo_samples(

@@ -13,7 +13,10 @@ import math
 from collections import deque
 from dataclasses import dataclass
 from statistics import median, pstdev
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from engine.loop import JobResult, Run
 
 Signal = Literal["reward_jump", "kl_jump", "perplexity_collapse", "length_blowup"]
 
@@ -190,3 +193,26 @@ class CollapseMonitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in WATCHED:
             self.history[name] = deque(state["history"].get(name, []), maxlen=self.window)
+
+
+def check_collapse(
+    action: str,
+    monitor: CollapseMonitor,
+    run: "Run",
+    step: int,
+    metrics: dict[str, float],
+    models: dict[str, Any],
+) -> "JobResult | None":
+    """Judge ``step``'s metrics for collapse signals (unless ``action`` is "off"): a ``warning`` event for each;
+    then with ``action`` "pause" the job ends paused at this step without checkpointing it (the returned result),
+    with "stop" it fails (:class:`TrainingCollapseError`, also without that checkpoint). None: train on."""
+    if action == "off" or not (alerts := monitor.update(step, metrics)):
+        return None
+    for alert in alerts:
+        run.callbacks.on_event("warning", alert.message, alert.data())
+    if action not in ("pause", "stop"):
+        return None
+    names = ", ".join(alert.signal for alert in alerts)
+    reason = f"training collapse at step {step} ({names})"
+    error = TrainingCollapseError(f"{reason}; collapse.action is stop") if action == "stop" else None
+    return run.halt(step, metrics, models, reason, error)  # raises the error when given: the job fails

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import torch
 
+from engine.config import PPOConfig
 from engine.ops import last_valid_index, masked_var
 
 
@@ -193,3 +194,21 @@ class RunningMoments:
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """1 - Var(returns - values) / Var(returns) over masked tokens."""
     return 1 - masked_var(returns - values, mask) / masked_var(returns, mask).clamp(min=1e-8)
+
+
+def shape_scores(
+    scores: torch.Tensor, stopped: torch.Tensor | None, cfg: PPOConfig, moments: RunningMoments
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw, shaped) scores (B,): the reward's less the missing-stop penalty for responses that did not stop
+    (``stopped``: None when responses have no stop token), then normalised by the running ``moments`` (updated
+    here) and clipped, where configured (PPO-max)."""
+    raw_scores = scores.clone()  # (B,)
+    if stopped is not None:
+        raw_scores -= cfg.missing_eos_penalty * (~stopped).float()
+    scores = raw_scores
+    if cfg.normalize_scores:
+        moments.update(scores)
+        scores = (scores - moments.mean) / max(moments.std, 1e-8)
+    if cfg.score_clip is not None:
+        scores = scores.clamp(-cfg.score_clip, cfg.score_clip)
+    return raw_scores, scores

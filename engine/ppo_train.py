@@ -11,24 +11,25 @@ of every minibatch, DDP averaging the gradients.
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
 from engine.config import JobSpec, PPOConfig
 from engine.data import batch_indices, encode_sft_batch, load_rows
 from engine.distributed import Ranks
-from engine.graders import ModelGrader, RewardScores, reward_metrics
-from engine.health import CollapseMonitor, TrainingCollapseError
+from engine.graders import reward_metrics
+from engine.health import CollapseMonitor, check_collapse
 from engine.learner import Learner, LossInputs, Objective, accumulate, count_labels, mean, run_updates
 from engine.loop import JobResult, Run, load_datasets, seed_everything
-from engine.models import ScalarHead, check_fits, frozen, load_scalar_model, load_tokenizer, prepare
+from engine.models import ScalarHead, check_fits
+from engine.online import RolloutRNG, critic_and_scorer, evaluate, open_policy, roll_out_rows
 from engine.ops import masked_mean, masked_whiten
 from engine.policy_losses import LossSettings
 from engine.ppo import (
@@ -39,26 +40,11 @@ from engine.ppo import (
     compute_rewards,
     explained_variance,
     kl_per_token,
+    shape_scores,
     value_loss,
 )
-from engine.reward import same_vocabulary
-from engine.rewards import RewardFunction, eval_metrics, gathered, grader_scorer, samples_of
-from engine.rollout import (
-    HeldOutRoll,
-    Rollout,
-    RolloutRNG,
-    Scorer,
-    decode_responses,
-    gather_rollout,
-    held_out,
-    logged_samples,
-    open_policy,
-    response_values,
-    roll_out_rows,
-    samples_due,
-    text_scorer,
-    token_scorer,
-)
+from engine.rewards import RewardFunction, gathered
+from engine.rollout import Rollout, gather_rollout, logged_samples, response_values, samples_due
 
 MB_STATS = ("pg", "vf", "clip", "vclip", "akl", "ent", "ptx")
 """Per-minibatch statistics: policy and value loss, their clip fractions, approx-KL, entropy, ptx loss."""
@@ -94,7 +80,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     # Models: the trained policy and its frozen reference (the starting policy), the critic and the reward
     # (:func:`open_critic`)
     learner, cfg = open_policy(run, cfg, device, [*prompt_rows, *eval_rows], True, cfg.batch_size)
-    value_model, scorer = open_critic(run, cfg, device, learner.sampling.stop_token_ids)
+    value_model, scorer = critic_and_scorer(run, cfg, device, learner.sampling.stop_token_ids)
     stop_token_ids = learner.sampling.stop_token_ids
     eval_reward = RewardFunction(spec.eval_reward, tokenizer, device, cfg.dtype, callbacks.should_stop) \
         if spec.eval_reward else None  # fmt: skip
@@ -128,10 +114,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         return {"kl_ctl": kl_ctl.state_dict(), "score_moments": score_moments.state_dict(),
                 "collapse_monitor": monitor.state_dict(), **rng.state()}  # fmt: skip
 
-    def roll(rows: Sequence[dict[str, Any]], generator: torch.Generator, share: slice = slice(None)) -> (
-        tuple[Rollout, RewardScores | None]
-    ):  # fmt: skip
-        return roll_out_rows(learner, tokenizer, rows, cfg.max_prompt_length, generator, scorer, 1, value_model, share)
+    roll = partial(roll_out_rows, learner, tokenizer, cfg.max_prompt_length, scorer, critic=value_model)
 
     B = cfg.batch_size
     ptx = None
@@ -144,19 +127,21 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         #    after the stop token, with logprobs, ref_logprobs, values and scores. Every rank's rows are then
         #    gathered: the stages up to the PPO epochs see the whole batch.
         batch_rows = [prompt_rows[i] for i in batch_indices(len(prompt_rows), B, spec.seed, step - 1)]
-        ro, graded = roll(batch_rows, rng.sampling, ranks.share(B))
+        ro, graded = roll(batch_rows, rng.sampling, share=ranks.share(B))
         ro = gather_rollout(ro, ranks, tokenizer.pad_token_id)
         graded = gathered(graded, ranks, device) if graded else None  # graders: every rank's components
         mask = ro.mask.float()  # (B, T)
         t_rollout = time.perf_counter() - t0
 
         # 2. rewards: the shaped score on the last kept token, -β·KL on every token
-        raw_scores, scores = shape_scores(ro, cfg, score_moments, stop_token_ids)  # (B,), (B,)
+        stopped = ro.stopped if stop_token_ids else None
+        raw_scores, scores = shape_scores(ro.scores, stopped, cfg, score_moments)  # (B,), (B,)
         kl = kl_per_token(ro.logprobs, ro.ref_logprobs, cfg.kl_estimator) * mask  # (B, T)
         rewards, non_score_reward = compute_rewards(scores, kl, mask, kl_ctl.value)
         if samples_due(step, cfg.log_samples_every):
-            samples = ppo_samples(tokenizer, ro, raw_scores, graded, cfg.log_samples, stop_token_ids)
-            callbacks.on_samples(step, samples)
+            # a reward model's score (objective/scores), or each grader's and their total
+            shown = {"score": raw_scores.tolist()} if graded is None else {**graded.components, "total": graded.total}
+            callbacks.on_samples(step, logged_samples(tokenizer, ro, shown, cfg.log_samples, stop_token_ids))
 
         # 3. advantages and returns (GAE), advantages whitened over valid tokens
         assert ro.values is not None
@@ -194,7 +179,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         if graded is not None:  # the reward's components, over every rank's rows
             metrics.update(reward_metrics(graded))
         if eval_rows and run.eval_due(step, cfg.eval_every):
-            metrics.update(evaluate(roll, tokenizer, eval_rows, cfg, spec.seed, device, eval_reward, stop_token_ids))
+            metrics.update(evaluate(roll, tokenizer, eval_rows, B, spec.seed, device, eval_reward, stop_token_ids))
 
         # 6. collapse signals (MOSS-RLHF §2.1, engine/health.py), from metrics every rank computed alike: each
         #    takes the same decision
@@ -205,81 +190,6 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         if result := run.end_step(step, metrics, saved, trainer_state):
             return result
     raise AssertionError("unreachable: the last step ends the run")
-
-
-def open_critic(
-    run: Run, cfg: PPOConfig, device: torch.device, stop_token_ids: Sequence[int]
-) -> tuple[PreTrainedModel, Scorer]:
-    """The trained critic (restored when resuming) and the scorer of the job's reward.
-
-    A reward model of the policy's vocabulary scores the sampled tokens, and the critic starts as that reward
-    model (PPO-max); with LoRA the reward model is the critic's own base with its adapters disabled. A reward
-    model of another vocabulary scores the decoded text with its own tokenizer, and the critic then starts from
-    the policy's backbone; so does it for a reward of graders (rules, functions, services), which score the text.
-    """
-    spec, tokenizer, callbacks = run.spec, run.tokenizer, run.callbacks
-    # a reward model (reward_model, or a reward of one model grader) scores tokens; other rewards score text
-    reward_ref = spec.reward_model or (spec.reward.model if isinstance(spec.reward, ModelGrader) else None)
-    reward_tokenizer = load_tokenizer(reward_ref) if reward_ref else None
-
-    def scalar_model(ref: str, tokenizer: PreTrainedTokenizerBase = tokenizer, trained_head: bool = True) -> (
-        PreTrainedModel
-    ):  # fmt: skip
-        model = load_scalar_model(ref, tokenizer, spec.seed, trained_head)
-        return prepare(model, device, cfg.dtype, cfg.gradient_checkpointing)
-
-    if reward_ref is not None and reward_tokenizer is not None and same_vocabulary(tokenizer, reward_tokenizer):
-        value_model = run.load_trained("value", reward_ref, scalar_model, "SEQ_CLS")
-        reward_model = frozen(scalar_model(reward_ref)) if spec.lora is None else None
-        return value_model, token_scorer(reward_model, value_model, cfg.mini_batch_size)
-    value_model = run.load_trained("value", spec.model, lambda ref: scalar_model(ref, trained_head=False), "SEQ_CLS")
-    if reward_ref is None:
-        assert spec.reward_grader is not None
-        grader = RewardFunction(spec.reward_grader, tokenizer, device, cfg.dtype, callbacks.should_stop)
-        return value_model, grader_scorer(grader, tokenizer, stop_token_ids)
-    assert reward_tokenizer is not None
-    reward_model = frozen(scalar_model(reward_ref, reward_tokenizer))
-    callbacks.on_event(
-        "info",
-        "the reward model's tokenizer differs from the policy's: responses are scored as text, re-encoded by "
-        "the reward model's tokenizer, and the critic starts from the policy",
-        {"reward_model": spec.reward_model},
-    )
-    return value_model, text_scorer(reward_model, reward_tokenizer, tokenizer, stop_token_ids, cfg.mini_batch_size)
-
-
-def shape_scores(
-    ro: Rollout, cfg: PPOConfig, moments: RunningMoments, stop_token_ids: Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(raw, shaped) scores (B,): the reward model's less the missing-stop penalty, then normalised by the running
-    ``moments`` (updated here) and clipped, where configured (PPO-max)."""
-    raw_scores = ro.scores.clone()  # (B,)
-    if stop_token_ids:
-        raw_scores -= cfg.missing_eos_penalty * (~ro.stopped).float()
-    scores = raw_scores
-    if cfg.normalize_scores:
-        moments.update(scores)
-        scores = (scores - moments.mean) / max(moments.std, 1e-8)
-    if cfg.score_clip is not None:
-        scores = scores.clamp(-cfg.score_clip, cfg.score_clip)
-    return raw_scores, scores
-
-
-def ppo_samples(
-    tokenizer: PreTrainedTokenizerBase,
-    ro: Rollout,
-    raw_scores: torch.Tensor,
-    graded: RewardScores | None,
-    n: int,
-    stop_token_ids: Sequence[int] = (),
-) -> list[dict[str, Any]]:
-    """The first ``n`` rollouts of the batch for :meth:`Callbacks.on_samples`: rewarded by a reward model with their
-    ``score`` (``raw_scores``, as ``objective/scores``), by graders with each component and their ``total``."""
-    if graded is None:
-        rewards: dict[str, Sequence[float]] = {"score": raw_scores.tolist()}
-    else:
-        rewards = {**graded.components, "total": graded.total}
-    return logged_samples(tokenizer, ro, rewards, n, stop_token_ids)
 
 
 def ptx_minibatch(
@@ -364,6 +274,7 @@ def ppo_metrics(
 ) -> dict[str, float]:
     """A step's metrics (the README's list) from its experience, the minibatches' ``stats`` and its timings."""
     ro, mask = exp.ro, exp.mask
+    assert ro.values is not None
     n_generated = mask.sum().item()
     non_score = non_score_reward.sum(1).mean().item()
     return {
@@ -392,56 +303,3 @@ def ppo_metrics(
         "lr": lr,
         "grad_norm": mean(stats["gn"]),
     }
-
-
-def evaluate(
-    roll: HeldOutRoll,
-    tokenizer: PreTrainedTokenizerBase,
-    rows: Sequence[dict[str, Any]],
-    cfg: PPOConfig,
-    seed: int,
-    device: torch.device,
-    eval_reward: RewardFunction | None = None,
-    stop_token_ids: Sequence[int] = (),
-) -> dict[str, float]:
-    """Held-out prompts, sampled as in training but from their own fixed seed (training RNG untouched): the reward
-    model's ``eval/scores``, ``eval/kl``, ``eval/length_mean``; with ``eval_reward``, their samples scored by it
-    too (``eval/reward`` and its components), or else by the training reward when it is one of graders."""
-
-    def judged(chunk: Sequence[dict[str, Any]], generator: torch.Generator) -> tuple[Rollout, RewardScores | None]:
-        ro, graded = roll(chunk, generator)
-        if eval_reward is None:
-            return ro, graded
-        texts, stopped = decode_responses(tokenizer, ro.tokens, stop_token_ids)
-        return ro, eval_reward(samples_of(tokenizer, chunk, texts), stopped)
-
-    per_sample, scored = held_out(judged, rows, cfg.batch_size, seed, device)
-    return {
-        "eval/scores": per_sample["scores"].mean().item(),
-        "eval/kl": per_sample["kl"].mean().item(),
-        "eval/length_mean": per_sample["length"].mean().item(),
-        **(eval_metrics(scored) if scored else {}),
-    }
-
-
-def check_collapse(
-    action: str,
-    monitor: CollapseMonitor,
-    run: Run,
-    step: int,
-    metrics: dict[str, float],
-    models: dict[str, PreTrainedModel],
-) -> JobResult | None:
-    """Judge ``step``'s metrics for collapse signals (unless ``action`` is "off"): a ``warning`` event for each;
-    then with ``action`` "pause" the job ends paused at this step without checkpointing it (the returned result),
-    with "stop" it fails (:class:`TrainingCollapseError`, also without that checkpoint). None: train on."""
-    if action == "off" or not (alerts := monitor.update(step, metrics)):
-        return None
-    for alert in alerts:
-        run.callbacks.on_event("warning", alert.message, alert.data())
-    if action not in ("pause", "stop"):
-        return None
-    names = ", ".join(alert.signal for alert in alerts)
-    reason = f"training collapse at step {step} ({names})"
-    error = TrainingCollapseError(f"{reason}; collapse.action is stop") if action == "stop" else None
-    return run.halt(step, metrics, models, reason, error)  # raises the error when given: the job fails

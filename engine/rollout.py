@@ -11,21 +11,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.config import GRPOConfig, PPOConfig
-from engine.data import encode_prompts
 from engine.distributed import Ranks
-from engine.generate import decode_warning, job_decoder, response_texts
+from engine.generate import response_texts
 from engine.graders import RewardScores
-from engine.learner import Learner, Reference, Sampling, Tokens, base_of, chunks
-from engine.loop import Run
+from engine.learner import Learner, Tokens, base_of, chunks
 from engine.models import (
     ScalarHead,
-    check_fits,
     folded_adapters,
-    frozen,
-    load_causal_lm,
-    prepare,
-    resolve_stop_token,
 )
 from engine.ops import is_stop, truncate_after_stop
 from engine.reward import score_texts, sequence_scores
@@ -194,30 +186,6 @@ def logged_samples(
     ]
 
 
-HeldOutRoll = Callable[[Sequence[dict[str, Any]], torch.Generator], tuple[Rollout, RewardScores | None]]
-"""Rolls out held-out prompt rows once each: (the rows, the generator) -> their rollout and reward scores."""
-
-
-@torch.no_grad()
-def held_out(
-    roll: HeldOutRoll, rows: Sequence[dict[str, Any]], batch_size: int, seed: int, device: torch.device
-) -> tuple[dict[str, torch.Tensor], RewardScores | None]:
-    """Held-out prompts, ``batch_size`` at a time, sampled as in training but from their own fixed seed (training
-    RNG untouched): each sample's ``scores``, ``kl`` (summed log-ratio to the reference) and ``length``, and
-    their reward scores (None when ``roll`` gives none)."""
-    generator = torch.Generator(device).manual_seed(seed)
-    scores, kls, lengths, graded = [], [], [], []
-    for i in range(0, len(rows), batch_size):
-        ro, scored = roll(rows[i : i + batch_size], generator)
-        scores.append(ro.scores)
-        kls.append(((ro.logprobs - ro.ref_logprobs) * ro.mask).sum(1))
-        lengths.append(ro.mask.sum(1).float())
-        if scored is not None:
-            graded.append(scored)
-    per_sample = {"scores": torch.cat(scores), "kl": torch.cat(kls), "length": torch.cat(lengths)}
-    return per_sample, merged(graded) if graded else None
-
-
 def merged(parts: Sequence[RewardScores]) -> RewardScores:
     """The scores of several batches as one (each batch's components alike)."""
     components: dict[str, list[float]] = {}
@@ -258,82 +226,3 @@ def gather_rollout(ro: Rollout, ranks: Ranks, pad_token_id: int) -> Rollout:
     tensors = {f.name: ranks.gather(getattr(ro, f.name)) for f in fields(ro) if f.name not in skipped}
     values = None if ro.values is None else ranks.gather(ro.values)
     return Rollout(context_length=ro.context_length, values=values, **tensors)
-
-
-OnlineConfig = PPOConfig | GRPOConfig
-
-
-def open_policy(
-    run: Run,
-    cfg: OnlineConfig,
-    device: torch.device,
-    prompt_rows: Sequence[dict[str, Any]],
-    reference: bool,
-    rows_per_rollout: int,
-) -> tuple[Learner, OnlineConfig]:
-    """The :class:`Learner` of an online method's policy: the trained policy (restored when resuming), its
-    reference when ``reference`` (a frozen copy of the starting policy; with LoRA the policy with its adapters off),
-    its stop tokens, and the job's compiled decoder for ``rows_per_rollout`` samples at a time (CUDA only); and
-    ``cfg`` with ``max_prompt_length`` sized from ``prompt_rows`` and the model's context where it was null."""
-    spec, tokenizer = run.spec, run.tokenizer
-
-    def causal_lm(ref: str) -> PreTrainedModel:
-        return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
-
-    policy = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
-    ref_policy: Reference = None
-    if reference:
-        ref_policy = frozen(causal_lm(spec.model)) if spec.lora is None else "base"
-    limit = run.prompt_length(cfg.max_prompt_length, cfg.response_length, policy, prompt_rows)
-    cfg = cfg.model_copy(update={"max_prompt_length": limit})
-    check_fits(policy, limit + cfg.response_length, "max_prompt_length + response_length")
-    stop_token_ids = resolve_stop_token(cfg.stop_token, policy, tokenizer)  # (): responses run to response_length
-    sampling = Sampling(cfg.response_length, cfg.temperature, cfg.top_k, stop_token_ids)
-    decoder = job_decoder(policy, cfg.cuda_graphs, limit, rows_per_rollout, device,
-                          warn=decode_warning(run.callbacks))  # fmt: skip
-    if decoder is not None:
-        run.at_end(decoder.close)
-    learner = Learner(policy, run.ranks, sampling, cfg.mini_batch_size, ref_policy, cfg.torch_compile, decoder)
-    return learner, cfg
-
-
-@torch.inference_mode()
-def roll_out_rows(
-    learner: Learner,
-    tokenizer: PreTrainedTokenizerBase,
-    rows: Sequence[dict[str, Any]],
-    max_prompt_length: int | None,
-    generator: torch.Generator,
-    scorer: Scorer,
-    group_size: int = 1,
-    critic: PreTrainedModel | None = None,
-    share: slice = slice(None),
-) -> tuple[Rollout, RewardScores | None]:
-    """:func:`roll_out` of the prompts of ``rows[share]`` (a process's share of a batch). The whole batch's prompts
-    are encoded together, so that every process's rollout has the same prompt width."""
-    queries, query_mask = encode_prompts(tokenizer, [row["prompt"] for row in rows], max_prompt_length)
-    device = learner.model.device
-    queries, query_mask = queries[share].to(device), query_mask[share].to(device)
-    return roll_out(learner, rows[share], queries, query_mask, generator, scorer, tokenizer.pad_token_id,
-                    group_size, critic)  # fmt: skip
-
-
-class RolloutRNG:
-    """An online method's generators: ``sampling`` (one per rank) and ``shuffle`` (the minibatch order, the same
-    on every rank), restored from a checkpoint's trainer state."""
-
-    def __init__(self, seed: int, ranks: Ranks, device: torch.device, state: dict[str, Any] | None) -> None:
-        self.ranks = ranks
-        self.sampling = torch.Generator(device).manual_seed(seed + 1_000_003 * ranks.rank)
-        self.shuffle = torch.Generator().manual_seed(seed + 1)
-        if state:
-            sampling = state["rank_generators"][ranks.rank] if ranks.world_size > 1 else state["generator"]
-            self.sampling.set_state(sampling)
-            self.shuffle.set_state(state["shuffle"])
-
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of them (called on every rank: it gathers the ranks' sampling states)."""
-        state: dict[str, Any] = {"generator": self.sampling.get_state(), "shuffle": self.shuffle.get_state()}
-        if self.ranks.world_size > 1:
-            state["rank_generators"] = self.ranks.gather_objects(self.sampling.get_state())
-        return state

@@ -10,20 +10,9 @@ from engine.callbacks import Callbacks
 from engine.config import JobSpec, SFTConfig
 from engine.data import batch_indices, encode_sft_batch
 from engine.distributed import Ranks
+from engine.learner import completion_loss_sum, count_labels
 from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything, steps_for_epochs
-from engine.models import check_fits, load_causal_lm, prepare, token_logprobs
-
-
-def completion_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed cross-entropy of every labelled (completion) token; divide by the token count yourself. ``model``:
-    a causal LM, or one wrapped in DistributedDataParallel. The logits are made in chunks
-    (:func:`engine.models.token_logprobs`)."""
-    logprobs, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], start=1)  # (B, L-1)
-    return -torch.where(batch["labels"][:, 1:] != -100, logprobs, 0.0).sum()
-
-
-def count_labels(batch: dict[str, torch.Tensor]) -> int:
-    return int((batch["labels"][:, 1:] != -100).sum())
+from engine.models import check_fits, load_causal_lm, prepare
 
 
 @torch.no_grad()

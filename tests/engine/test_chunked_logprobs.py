@@ -15,6 +15,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, PreTrainedModel
 from engine import models
 from engine.config import LoraSpec
 from engine.dpo_train import completion_logps
+from engine.learner import completion_loss_sum
 from engine.models import (
     SCALED_LOGITS,
     apply_lora,
@@ -25,7 +26,6 @@ from engine.models import (
     token_logprobs,
 )
 from engine.ops import chunked_logprobs, entropy_from_logits, logprobs_from_logits
-from engine.sft import completion_loss_sum
 from tests.helpers import free_port
 from tests.models import build_model
 

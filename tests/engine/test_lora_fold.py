@@ -13,11 +13,12 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-import engine.rollout
+import engine.learner
 from engine.config import LoraSpec
+from engine.distributed import Ranks
 from engine.generate import sample
+from engine.learner import Learner, Sampling, base_of
 from engine.models import apply_lora, folded_adapters, load_causal_lm, load_tokenizer, prepare, token_logprobs
-from engine.rollout import base_of, sample_responses
 from tests.models import build_model
 
 
@@ -162,7 +163,7 @@ def test_float32_layers_fold_and_bf16_ones_keep_their_adapters(tmp_path: Path, d
 def test_bf16_lora_rollouts_sample_folded_and_keep_the_training_pass_log_probs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str
 ) -> None:
-    """A rollout's sampling (engine.rollout.sample_responses) runs folded, at the full model's speed, even in
+    """A rollout's sampling (engine.learner.Learner.sample) runs folded, at the full model's speed, even in
     bfloat16; the log-probs it hands PPO are the training pass's, within 1.5x the no-LoRA sampler's gap."""
     from peft.tuners.lora import LoraLayer
 
@@ -174,11 +175,12 @@ def test_bf16_lora_rollouts_sample_folded_and_keep_the_training_pass_log_probs(
         merged_while_sampling.append(all(layer.merged for layer in layers))
         return sample(*args, **kwargs)
 
-    monkeypatch.setattr(engine.rollout, "sample", watched)
+    monkeypatch.setattr(engine.learner, "sample", watched)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (16, 8), generator=generator)  # (B, P)
     mask = (torch.arange(8) >= torch.randint(0, 7, (16, 1), generator=generator)).long()  # left padding
-    tokens, logprobs = sample_responses(model, ids * mask, mask, 32, 1.0, 0, (), generator, chunk_size=8)
+    learner = Learner(model, Ranks(), Sampling(response_length=32, temperature=1.0), chunk_size=8)
+    tokens, logprobs = learner.sample(ids * mask, mask, generator)
     sequence, full_mask = torch.cat([ids * mask, tokens], dim=1), torch.cat([mask, torch.ones_like(tokens)], dim=1)
     with torch.inference_mode():
         trained, _ = token_logprobs(model, sequence, full_mask, 8)

@@ -1,0 +1,208 @@
+"""What the online methods (PPO, GRPO and its relatives, distillation) share around the :class:`Learner`: opening
+the policy, rolling out a batch's prompt rows, the sampling and shuffling generators, held-out evaluation, and
+PPO's critic with the scorer of its reward.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from engine.config import GRPOConfig, PPOConfig
+from engine.data import encode_prompts
+from engine.distributed import Ranks
+from engine.generate import decode_warning, job_decoder
+from engine.graders import ModelGrader, RewardScores, Samples
+from engine.learner import Learner, Reference, Sampling
+from engine.loop import Run
+from engine.models import (
+    check_fits,
+    frozen,
+    load_causal_lm,
+    load_scalar_model,
+    load_tokenizer,
+    prepare,
+    resolve_stop_token,
+)
+from engine.reward import same_vocabulary
+from engine.rewards import RewardFunction, eval_metrics, grader_scorer, samples_of
+from engine.rollout import Rollout, Scorer, decode_responses, merged, roll_out, text_scorer, token_scorer
+
+Reward = Callable[[Samples, Sequence[bool]], RewardScores]
+"""A reward of graders (:class:`engine.rewards.RewardFunction`)."""
+
+
+OnlineConfig = TypeVar("OnlineConfig", PPOConfig, GRPOConfig)
+
+
+def open_policy(
+    run: Run,
+    cfg: OnlineConfig,
+    device: torch.device,
+    prompt_rows: list[dict[str, Any]],
+    reference: bool,
+    rows_per_rollout: int,
+) -> tuple[Learner, OnlineConfig]:
+    """The :class:`Learner` of an online method's policy: the trained policy (restored when resuming), its
+    reference when ``reference`` (a frozen copy of the starting policy; with LoRA the policy with its adapters off),
+    its stop tokens, and the job's compiled decoder for ``rows_per_rollout`` samples at a time (CUDA only); and
+    ``cfg`` with ``max_prompt_length`` sized from ``prompt_rows`` and the model's context where it was null."""
+    spec, tokenizer = run.spec, run.tokenizer
+
+    def causal_lm(ref: str) -> PreTrainedModel:
+        return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
+
+    policy = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
+    ref_policy: Reference = None
+    if reference:
+        ref_policy = frozen(causal_lm(spec.model)) if spec.lora is None else "base"
+    limit = run.prompt_length(cfg.max_prompt_length, cfg.response_length, policy, prompt_rows)
+    cfg = cfg.model_copy(update={"max_prompt_length": limit})
+    check_fits(policy, limit + cfg.response_length, "max_prompt_length + response_length")
+    stop_token_ids = resolve_stop_token(cfg.stop_token, policy, tokenizer)  # (): responses run to response_length
+    sampling = Sampling(cfg.response_length, cfg.temperature, cfg.top_k, stop_token_ids)
+    decoder = job_decoder(policy, cfg.cuda_graphs, limit, rows_per_rollout, device,
+                          warn=decode_warning(run.callbacks))  # fmt: skip
+    if decoder is not None:
+        run.at_end(decoder.close)
+    learner = Learner(policy, run.ranks, sampling, cfg.mini_batch_size, ref_policy, cfg.torch_compile, decoder)
+    return learner, cfg
+
+
+@torch.inference_mode()
+def roll_out_rows(
+    learner: Learner,
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int | None,
+    scorer: Scorer,
+    rows: Sequence[dict[str, Any]],
+    generator: torch.Generator,
+    group_size: int = 1,
+    critic: PreTrainedModel | None = None,
+    share: slice = slice(None),
+) -> tuple[Rollout, RewardScores | None]:
+    """:func:`roll_out` of the prompts of ``rows[share]`` (a process's share of a batch). The whole batch's prompts
+    are encoded together, so that every process's rollout has the same prompt width."""
+    queries, query_mask = encode_prompts(tokenizer, [row["prompt"] for row in rows], max_prompt_length)
+    device = learner.model.device
+    queries, query_mask = queries[share].to(device), query_mask[share].to(device)
+    return roll_out(learner, rows[share], queries, query_mask, generator, scorer, tokenizer.pad_token_id,
+                    group_size, critic)  # fmt: skip
+
+
+class RolloutRNG:
+    """An online method's generators: ``sampling`` (one per rank) and ``shuffle`` (the minibatch order, the same
+    on every rank), restored from a checkpoint's trainer state."""
+
+    def __init__(self, seed: int, ranks: Ranks, device: torch.device, state: dict[str, Any] | None) -> None:
+        self.ranks = ranks
+        self.sampling = torch.Generator(device).manual_seed(seed + 1_000_003 * ranks.rank)
+        self.shuffle = torch.Generator().manual_seed(seed + 1)
+        if state:
+            sampling = state["rank_generators"][ranks.rank] if ranks.world_size > 1 else state["generator"]
+            self.sampling.set_state(sampling)
+            self.shuffle.set_state(state["shuffle"])
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of them (called on every rank: it gathers the ranks' sampling states)."""
+        state: dict[str, Any] = {"generator": self.sampling.get_state(), "shuffle": self.shuffle.get_state()}
+        if self.ranks.world_size > 1:
+            state["rank_generators"] = self.ranks.gather_objects(self.sampling.get_state())
+        return state
+
+
+HeldOutRoll = Callable[[Sequence[dict[str, Any]], torch.Generator], tuple[Rollout, RewardScores | None]]
+"""Rolls out held-out prompt rows once each: (the rows, the generator) -> their rollout and reward scores."""
+
+
+@torch.no_grad()
+def held_out(
+    roll: HeldOutRoll, rows: Sequence[dict[str, Any]], batch_size: int, seed: int, device: torch.device
+) -> tuple[dict[str, torch.Tensor], RewardScores | None]:
+    """Held-out prompts, ``batch_size`` at a time, sampled as in training but from their own fixed seed (training
+    RNG untouched): each sample's ``scores``, ``kl`` (summed log-ratio to the reference) and ``length``, and
+    their reward scores (None when ``roll`` gives none)."""
+    generator = torch.Generator(device).manual_seed(seed)
+    scores, kls, lengths, graded = [], [], [], []
+    for i in range(0, len(rows), batch_size):
+        ro, scored = roll(rows[i : i + batch_size], generator)
+        scores.append(ro.scores)
+        kls.append(((ro.logprobs - ro.ref_logprobs) * ro.mask).sum(1))
+        lengths.append(ro.mask.sum(1).float())
+        if scored is not None:
+            graded.append(scored)
+    per_sample = {"scores": torch.cat(scores), "kl": torch.cat(kls), "length": torch.cat(lengths)}
+    return per_sample, merged(graded) if graded else None
+
+
+def evaluate(
+    roll: HeldOutRoll,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: Sequence[dict[str, Any]],
+    batch_size: int,
+    seed: int,
+    device: torch.device,
+    eval_reward: Reward | None = None,
+    stop_token_ids: Sequence[int] = (),
+) -> dict[str, float]:
+    """Held-out prompts, ``batch_size`` at a time, sampled as in training but from their own fixed seed (training
+    RNG untouched): the mean score of the rollout's scorer ``eval/scores``, ``eval/kl`` (to the reference),
+    ``eval/length_mean``; with ``eval_reward``, their samples scored by it too (``eval/reward`` and its
+    components), or else by the rollout's scorer when that is a reward of graders."""
+
+    def judged(chunk: Sequence[dict[str, Any]], generator: torch.Generator) -> tuple[Rollout, RewardScores | None]:
+        ro, graded = roll(chunk, generator)
+        if eval_reward is None:
+            return ro, graded
+        texts, stopped = decode_responses(tokenizer, ro.tokens, stop_token_ids)
+        return ro, eval_reward(samples_of(tokenizer, chunk, texts), stopped)
+
+    per_sample, scored = held_out(judged, rows, batch_size, seed, device)
+    return {
+        "eval/scores": per_sample["scores"].mean().item(),
+        "eval/kl": per_sample["kl"].mean().item(),
+        "eval/length_mean": per_sample["length"].mean().item(),
+        **(eval_metrics(scored) if scored else {}),
+    }
+
+
+def critic_and_scorer(
+    run: Run, cfg: PPOConfig, device: torch.device, stop_token_ids: Sequence[int]
+) -> tuple[PreTrainedModel, Scorer]:
+    """The trained critic (restored when resuming) and the scorer of the job's reward.
+
+    A reward model of the policy's vocabulary scores the sampled tokens, and the critic starts as that reward
+    model (PPO-max); with LoRA the reward model is the critic's own base with its adapters disabled. A reward
+    model of another vocabulary scores the decoded text with its own tokenizer, and the critic then starts from
+    the policy's backbone; so does it for a reward of graders (rules, functions, services), which score the text.
+    """
+    spec, tokenizer, callbacks = run.spec, run.tokenizer, run.callbacks
+    # a reward model (reward_model, or a reward of one model grader) scores tokens; other rewards score text
+    reward_ref = spec.reward_model or (spec.reward.model if isinstance(spec.reward, ModelGrader) else None)
+    reward_tokenizer = load_tokenizer(reward_ref) if reward_ref else None
+
+    def scalar_model(ref: str, tokenizer: PreTrainedTokenizerBase = tokenizer, trained_head: bool = True) -> (
+        PreTrainedModel
+    ):  # fmt: skip
+        model = load_scalar_model(ref, tokenizer, spec.seed, trained_head)
+        return prepare(model, device, cfg.dtype, cfg.gradient_checkpointing)
+
+    if reward_ref is not None and reward_tokenizer is not None and same_vocabulary(tokenizer, reward_tokenizer):
+        value_model = run.load_trained("value", reward_ref, scalar_model, "SEQ_CLS")
+        reward_model = frozen(scalar_model(reward_ref)) if spec.lora is None else None
+        return value_model, token_scorer(reward_model, value_model, cfg.mini_batch_size)
+    value_model = run.load_trained("value", spec.model, lambda ref: scalar_model(ref, trained_head=False), "SEQ_CLS")
+    if reward_ref is None:
+        assert spec.reward_grader is not None
+        grader = RewardFunction(spec.reward_grader, tokenizer, device, cfg.dtype, callbacks.should_stop)
+        return value_model, grader_scorer(grader, tokenizer, stop_token_ids)
+    assert reward_tokenizer is not None
+    reward_model = frozen(scalar_model(reward_ref, reward_tokenizer))
+    callbacks.on_event(
+        "info",
+        "the reward model's tokenizer differs from the policy's: responses are scored as text, re-encoded by "
+        "the reward model's tokenizer, and the critic starts from the policy",
+        {"reward_model": spec.reward_model},
+    )
+    return value_model, text_scorer(reward_model, reward_tokenizer, tokenizer, stop_token_ids, cfg.mini_batch_size)
