@@ -21,14 +21,13 @@ from engine.data import (
     batch_indices,
     encode_completion,
     labelled_batch,
-    load_rows,
     preference_parts,
-    require_chat_template,
 )
 from engine.distributed import Ranks
 from engine.dpo import IGNORE_INDEX, DPOLossOut, dpo_loss, sequence_logps
-from engine.loop import JobResult, Run, check_finite, clip_and_step, make_optimizer, make_scheduler, seed_everything
-from engine.models import check_fits, load_causal_lm, load_tokenizer, prepare, token_logprobs
+from engine.learner import Learner, accumulate
+from engine.loop import JobResult, Run, check_finite, load_datasets, seed_everything, steps_for_epochs
+from engine.models import check_fits, load_causal_lm, prepare, token_logprobs
 
 EVAL_BATCH = 32
 """Pairs per forward when evaluating."""
@@ -100,6 +99,42 @@ def evaluate(
     return pair_metrics(out, chosen, rejected, prefix="eval/")
 
 
+def pair_gradients(
+    learner: Learner,
+    micro_batches: list[dict[str, torch.Tensor]],
+    ref_logps: list[tuple[torch.Tensor, ...]],
+    cfg: DPOConfig,
+    n_chosen_tokens: int,
+) -> tuple[float, list[DPOLossOut], list[torch.Tensor], list[torch.Tensor]]:
+    """The preference loss over a batch (a mean over its pairs; with ``sft_loss_coef``, less RPO's next-token term
+    on the chosen completions, per token of the batch's ``n_chosen_tokens``), accumulated over this process's
+    ``micro_batches`` (the reference's log-probs of each in ``ref_logps``): the loss summed over every rank, and
+    each micro-batch's loss outputs and the policy's compared log-probs of its chosen and rejected completions."""
+    mean_logps = cfg.loss_type == "ipo"  # IPO compares per-token averages
+    outs, policy_chosen, policy_rejected = [], [], []
+
+    def micro(part: slice, last: bool) -> dict[str, torch.Tensor]:
+        i = part.start
+        batch = micro_batches[i]
+        with learner.ranks.no_sync(learner.trained, last):
+            sums = completion_logps(learner.trained, batch)  # (2b,): the chosen completions, then the rejected
+            chosen, rejected = compared(sums, batch, mean_logps).chunk(2)
+            out = dpo_loss(chosen, rejected, *ref_logps[i], beta=cfg.beta, loss_type=cfg.loss_type,
+                           label_smoothing=cfg.label_smoothing)  # fmt: skip
+            loss = out.losses.sum() / cfg.batch_size
+            if cfg.sft_loss_coef > 0:  # RPO: the chosen completions' next-token loss, from the same forward
+                loss = loss - cfg.sft_loss_coef * sums.chunk(2)[0].sum() / n_chosen_tokens
+            (loss * learner.ranks.loss_scale).backward()
+        outs.append(out)
+        policy_chosen.append(chosen.detach())
+        policy_rejected.append(rejected.detach())
+        return {"loss": loss.detach()}
+
+    device = learner.model.device
+    loss_sum = accumulate(len(micro_batches), 1, ("loss",), micro, learner.ranks, device)["loss"]
+    return loss_sum, outs, policy_chosen, policy_rejected
+
+
 def train_dpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
     cfg = spec.config
     assert isinstance(cfg, DPOConfig)
@@ -108,16 +143,13 @@ def train_dpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     mean_logps = cfg.loss_type == "ipo"  # IPO compares per-token averages
 
     # 1. data: the batch order is a function of (seed, step), so resuming needs only the step
-    rows = load_rows(spec.dataset, "preference")
-    eval_rows = load_rows(spec.eval_dataset, "preference") if spec.eval_dataset and ranks.is_main else []
-    total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(rows)) // cfg.batch_size)
+    rows, eval_rows = load_datasets(spec, "preference", ranks)
+    total_steps = steps_for_epochs(cfg, len(rows))
 
     # 2. the policy (restored from the last checkpoint when there is one), the frozen reference (always the
     #    starting model), optimizer and schedule
-    tokenizer = load_tokenizer(spec.model)
-    require_chat_template(tokenizer, rows, "dataset")
-    require_chat_template(tokenizer, eval_rows, "eval_dataset")
-    run = Run(spec, out_dir, callbacks, tokenizer, ranks)
+    run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows})
+    tokenizer = run.tokenizer
 
     def causal_lm(ref: str) -> PreTrainedModel:
         return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
@@ -129,13 +161,10 @@ def train_dpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     if spec.lora is None:
         reference = prepare(load_causal_lm(spec.model, tokenizer, spec.seed), device, cfg.dtype, False).eval()
         reference.requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    trained = ranks.wrap(model)  # DistributedDataParallel with several processes
-    optimizer = make_optimizer(params, cfg, cfg.learning_rate)
-    scheduler = make_scheduler(optimizer, cfg, total_steps)
-    start_step, _ = run.start(total_steps, optimizer, scheduler)
-    if done := run.result_if_finished(start_step):
-        return done
+    learner = Learner(model, ranks)
+    start = learner.start_training(run, cfg, total_steps)
+    if start.finished:
+        return start.finished
 
     def encoded(pairs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         return {k: v.to(device) for k, v in encode_preference_batch(tokenizer, pairs, cfg.max_length).items()}
@@ -143,7 +172,7 @@ def train_dpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     eval_batches = [encoded(eval_rows[i : i + EVAL_BATCH]) for i in range(0, len(eval_rows), EVAL_BATCH)]
 
     pairs_per_micro = cfg.micro_batch_size // ranks.world_size
-    for step in range(start_step + 1, total_steps + 1):
+    for step in range(start.step + 1, total_steps + 1):
         t0 = time.perf_counter()
         # 3. this process's share of the batch's pairs, in micro-batches of chosen-then-rejected sequences
         batch_rows = [rows[i] for i in batch_indices(len(rows), cfg.batch_size, spec.seed, step - 1)]
@@ -161,28 +190,11 @@ def train_dpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
 
         # 5. the preference loss (a mean over the batch's pairs), accumulated over the micro-batches
         model.train()
-        loss_total = torch.zeros((), device=device)
-        outs, policy_chosen, policy_rejected = [], [], []
-        for i, batch in enumerate(micro_batches):
-            with ranks.no_sync(trained, last=i == len(micro_batches) - 1):
-                sums = completion_logps(trained, batch)  # (2b,): the chosen completions, then the rejected
-                chosen, rejected = compared(sums, batch, mean_logps).chunk(2)
-                out = dpo_loss(chosen, rejected, *ref_logps[i], beta=cfg.beta, loss_type=cfg.loss_type,
-                               label_smoothing=cfg.label_smoothing)  # fmt: skip
-                loss = out.losses.sum() / cfg.batch_size
-                if cfg.sft_loss_coef > 0:
-                    # RPO: the chosen completions' next-token loss, from the same forward
-                    loss = loss - cfg.sft_loss_coef * sums.chunk(2)[0].sum() / n_chosen_tokens
-                (loss * ranks.loss_scale).backward()
-            loss_total += loss.detach()
-            outs.append(out)
-            policy_chosen.append(chosen.detach())
-            policy_rejected.append(rejected.detach())
-        loss_sum = ranks.sum(loss_total).item()
+        loss_sum, outs, policy_chosen, policy_rejected = pair_gradients(learner, micro_batches, ref_logps, cfg,
+                                                                        n_chosen_tokens)  # fmt: skip
         check_finite("loss/dpo", loss_sum, step)
-        lr = optimizer.param_groups[0]["lr"]
-        grad_norm = clip_and_step(params, optimizer, cfg.max_grad_norm)
-        scheduler.step()
+        grad_norm = learner.optim_step()
+        lr = learner.schedule()
 
         # 6. metrics over the whole batch, eval, checkpoint, stop request
         def gathered(parts: list[torch.Tensor]) -> torch.Tensor:

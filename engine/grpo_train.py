@@ -94,8 +94,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         minibatch = partial(policy_gradients, learner, ro, advantages, mask, objective, cfg)
         stats, _ = run_updates(learner, len(mask), cfg.mini_batch_size, cfg.num_iterations, rng.shuffle, minibatch,
                                ("pg", "kl"), step)  # fmt: skip
-        lr = learner.lr
-        learner.scheduler_step()
+        lr = learner.schedule()
 
         # 4. metrics, eval, step end
         elapsed = time.perf_counter() - t0

@@ -128,21 +128,25 @@ class Learner:
         self,
         model: PreTrainedModel,
         ranks: Ranks,
-        sampling: Sampling,
-        chunk_size: int,
+        sampling: Sampling | None = None,
+        chunk_size: int = 64,
         reference: Reference = None,
         compile: bool = False,
         decoder: Decoder | None = None,
+        head: torch.nn.Module | None = None,
     ) -> None:
         self.model = model
         self.ranks = ranks
-        self.sampling = sampling
-        self.temperature = sampling.temperature
+        self.sampling = sampling or Sampling(response_length=1, temperature=1.0)
+        """How :meth:`sample` samples (and the temperature of the log-probs)."""
+        self.temperature = self.sampling.temperature
         self.chunk_size = chunk_size
         """Rows per no-grad forward."""
         self.reference = reference
         self.decoder = decoder
-        self.trained = ranks.wrap(model, compile=compile)
+        self.trained = ranks.wrap(head or model, compile=compile)
+        """What training passes run through: ``model`` or its ``head`` (a scalar model's
+        :class:`engine.models.ScalarHead`), in DistributedDataParallel with several processes."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -160,10 +164,12 @@ class Learner:
         self._clipped = [p for group in start.optimizer.param_groups for p in group["params"]]
         return start
 
-    def scheduler_step(self) -> None:
-        """Move the learning rate along its schedule (once per training step)."""
+    def schedule(self) -> float:
+        """At a step's end: the learning rate it trained at; the schedule then moves on."""
         assert self.scheduler is not None
+        lr = self.lr
         self.scheduler.step()
+        return lr
 
     @property
     def lr(self) -> float:
@@ -297,6 +303,17 @@ def accumulate(
         zero = torch.zeros((), device=device)
         totals += torch.stack([stats.get(key, zero).float() for key in keys])
     return dict(zip(keys, ranks.sum(totals).tolist(), strict=True))
+
+
+def sft_gradients(learner: Learner, batch: dict[str, torch.Tensor], n_tokens: int, micro_size: int) -> float:
+    """Next-token loss on ``batch``'s labelled tokens (this process's share of a batch of ``n_tokens`` labels), in
+    micro-batches of ``micro_size`` rows accumulating gradients; returns the summed token loss of every rank."""
+
+    def micro(part: slice, last: bool) -> dict[str, torch.Tensor]:
+        return {"loss": learner.sft_backward({k: v[part] for k, v in batch.items()}, n_tokens, last=last)}
+
+    device = batch["input_ids"].device
+    return accumulate(len(batch["input_ids"]), micro_size, ("loss",), micro, learner.ranks, device)["loss"]
 
 
 Minibatch = Callable[[torch.Tensor, int], dict[str, float]]

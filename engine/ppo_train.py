@@ -163,8 +163,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
                                            ("pg", "vf"), step, limit)  # fmt: skip
         if early_stopped:
             callbacks.on_event("warning", f"step {step}: approx-KL above {cfg.target_approxkl}, epochs cut short")
-        lr = learner.lr
-        learner.scheduler_step()
+        lr = learner.schedule()
 
         # 5. KL controller and metrics
         mean_kl = kl.sum(1).mean().item()

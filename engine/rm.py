@@ -15,7 +15,8 @@ from engine.callbacks import Callbacks
 from engine.config import JobSpec, RMConfig
 from engine.data import batch_indices, encode_completion, labelled_batch, preference_parts
 from engine.distributed import Ranks
-from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything, steps_for_epochs
+from engine.learner import Learner, accumulate
+from engine.loop import JobResult, Run, check_finite, load_datasets, seed_everything, steps_for_epochs
 from engine.models import ScalarHead, check_fits, lm_head_weight, load_scalar_model, prepare
 from engine.ops import reward_index
 
@@ -60,6 +61,36 @@ def evaluate_pairs(model: PreTrainedModel, batches: list[dict[str, torch.Tensor]
     return (margin > 0).float().mean().item(), margin.mean().item()
 
 
+def pair_gradients(
+    learner: Learner,
+    micro_batches: list[dict[str, torch.Tensor]],
+    cfg: RMConfig,
+    pad_token_id: int,
+    lm_head: torch.Tensor | None,
+    n_lm_tokens: int,
+) -> tuple[float, torch.Tensor]:
+    """The pairwise loss over a batch (a mean over its pairs), with the LM loss on the chosen completions when
+    ``lm_head`` is given, accumulated over this process's ``micro_batches``: the loss summed over every rank, and
+    this process's margins (b,)."""
+    margins = []
+
+    def micro(part: slice, last: bool) -> dict[str, torch.Tensor]:
+        batch = micro_batches[part.start]
+        with learner.ranks.no_sync(learner.trained, last):
+            rewards, hidden = pair_rewards(learner.trained, batch, pad_token_id)  # (2b,)
+            chosen, rejected = rewards.chunk(2)  # (b,), (b,)
+            loss = -F.logsigmoid(chosen - rejected - cfg.margin).sum() / cfg.batch_size
+            if lm_head is not None:
+                loss = loss + cfg.lm_loss_coef * lm_loss_sum(lm_head, hidden, batch["labels"]) / n_lm_tokens
+            (loss * learner.ranks.loss_scale).backward()
+        margins.append((chosen - rejected).detach())
+        return {"loss": loss.detach()}
+
+    device = learner.model.device
+    loss_sum = accumulate(len(micro_batches), 1, ("loss",), micro, learner.ranks, device)["loss"]
+    return loss_sum, torch.cat(margins)
+
+
 def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
     cfg = spec.config
     assert isinstance(cfg, RMConfig)
@@ -82,12 +113,10 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
     run.warn_long_sequences([*rows, *eval_rows], cfg.max_length, "preference")
     pad_token_id = model.config.pad_token_id  # where the reward is read, as plain transformers reads it
     lm_head = lm_head_weight(model, spec.model) if cfg.lm_loss_coef > 0 else None
-    params = [p for p in model.parameters() if p.requires_grad]
-    trained = ranks.wrap(ScalarHead(model))  # DistributedDataParallel with several processes
-    start = run.start_training(cfg, total_steps, (params, cfg.learning_rate))
+    learner = Learner(model, ranks, head=ScalarHead(model))
+    start = learner.start_training(run, cfg, total_steps)
     if start.finished:
         return start.finished
-    optimizer, scheduler = start.optimizer, start.scheduler
     eval_batches = [
         {k: v.to(device) for k, v in encode_pairs(tokenizer, eval_rows[i : i + 64], cfg.max_length).items()}
         for i in range(0, len(eval_rows), 64)
@@ -109,25 +138,13 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
         ).sum(0)
         n_lm_tokens, n_seen = ranks.sum(counts).tolist()
         model.train()
-        loss_total, margins = torch.zeros((), device=device), []
-        for i, batch in enumerate(micro_batches):
-            with ranks.no_sync(trained, last=i == len(micro_batches) - 1):
-                rewards, hidden = pair_rewards(trained, batch, pad_token_id)  # (2b,)
-                chosen, rejected = rewards.chunk(2)  # (b,), (b,)
-                loss = -F.logsigmoid(chosen - rejected - cfg.margin).sum() / cfg.batch_size
-                if lm_head is not None:
-                    loss = loss + cfg.lm_loss_coef * lm_loss_sum(lm_head, hidden, batch["labels"]) / n_lm_tokens
-                (loss * ranks.loss_scale).backward()
-            loss_total += loss.detach()
-            margins.append((chosen - rejected).detach())
-        loss_sum = ranks.sum(loss_total).item()
+        loss_sum, margins = pair_gradients(learner, micro_batches, cfg, pad_token_id, lm_head, n_lm_tokens)
         check_finite("loss/rm", loss_sum, step)
-        lr = optimizer.param_groups[0]["lr"]
-        grad_norm = clip_and_step(params, optimizer, cfg.max_grad_norm)
-        scheduler.step()
+        grad_norm = learner.optim_step()
+        lr = learner.schedule()
 
         # 4. metrics, eval, checkpoint, stop request
-        margin = ranks.gather(torch.cat(margins))  # (B,)
+        margin = ranks.gather(margins)  # (B,)
         elapsed = time.perf_counter() - t0
         metrics = {
             "loss/rm": loss_sum,

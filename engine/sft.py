@@ -10,8 +10,8 @@ from engine.callbacks import Callbacks
 from engine.config import JobSpec, SFTConfig
 from engine.data import batch_indices, encode_sft_batch
 from engine.distributed import Ranks
-from engine.learner import completion_loss_sum, count_labels
-from engine.loop import JobResult, Run, check_finite, clip_and_step, load_datasets, seed_everything, steps_for_epochs
+from engine.learner import Learner, completion_loss_sum, count_labels, sft_gradients
+from engine.loop import JobResult, Run, check_finite, load_datasets, seed_everything, steps_for_epochs
 from engine.models import check_fits, load_causal_lm, prepare
 
 
@@ -43,12 +43,10 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     model = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
     check_fits(model, cfg.max_length, "hyperparameters.max_length")
     run.warn_long_sequences([*rows, *eval_rows], cfg.max_length, "sft")
-    params = [p for p in model.parameters() if p.requires_grad]
-    trained = ranks.wrap(model)  # DistributedDataParallel with several processes
-    start = run.start_training(cfg, total_steps, (params, cfg.learning_rate))
+    learner = Learner(model, ranks)
+    start = learner.start_training(run, cfg, total_steps)
     if start.finished:
         return start.finished
-    optimizer, scheduler = start.optimizer, start.scheduler
     eval_batches = [
         {k: v.to(device) for k, v in encode_sft_batch(tokenizer, eval_rows[i : i + 64], cfg.max_length).items()}
         for i in range(0, len(eval_rows), 64)
@@ -65,18 +63,10 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         n_seen = int(batch["attention_mask"].sum())
         share = {k: v[ranks.share(cfg.batch_size)].to(device) for k, v in batch.items()}
         model.train()
-        loss_total = torch.zeros((), device=device)
-        for mb in range(0, len(share["input_ids"]), micro_size):
-            micro = {k: v[mb : mb + micro_size] for k, v in share.items()}
-            with ranks.no_sync(trained, last=mb + micro_size == len(share["input_ids"])):
-                loss = completion_loss_sum(trained, micro)
-                (loss * ranks.loss_scale / n_tokens).backward()
-            loss_total += loss.detach()
-        loss_sum = ranks.sum(loss_total).item()
+        loss_sum = sft_gradients(learner, share, n_tokens, micro_size)
         check_finite("loss/sft", loss_sum, step)
-        lr = optimizer.param_groups[0]["lr"]
-        grad_norm = clip_and_step(params, optimizer, cfg.max_grad_norm)
-        scheduler.step()
+        grad_norm = learner.optim_step()
+        lr = learner.schedule()
 
         # 4. metrics, eval, checkpoint, stop request
         elapsed = time.perf_counter() - t0
