@@ -23,11 +23,10 @@ from engine.data import (
     labelled_batch,
     preference_parts,
 )
-from engine.distributed import Ranks
 from engine.dpo import IGNORE_INDEX, DPOLossOut, dpo_loss, sequence_logps
 from engine.learner import Learner, accumulate
-from engine.loop import JobResult, Run, check_finite, load_datasets, seed_everything, steps_for_epochs
-from engine.models import check_fits, load_causal_lm, prepare, token_logprobs
+from engine.loop import JobResult, check_finite, open_supervised
+from engine.models import load_causal_lm, prepare, token_logprobs
 
 EVAL_BATCH = 32
 """Pairs per forward when evaluating."""
@@ -138,25 +137,12 @@ def pair_gradients(
 def train_dpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
     cfg = spec.config
     assert isinstance(cfg, DPOConfig)
-    seed_everything(spec.seed)
-    ranks = Ranks.current()  # several processes: each takes its share of every batch
     mean_logps = cfg.loss_type == "ipo"  # IPO compares per-token averages
-
-    # 1. data: the batch order is a function of (seed, step), so resuming needs only the step
-    rows, eval_rows = load_datasets(spec, "preference", ranks)
-    total_steps = steps_for_epochs(cfg, len(rows))
-
-    # 2. the policy (restored from the last checkpoint when there is one), the frozen reference (always the
-    #    starting model), optimizer and schedule
-    run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows})
-    tokenizer = run.tokenizer
-
-    def causal_lm(ref: str) -> PreTrainedModel:
-        return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
-
-    model = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
-    check_fits(model, cfg.max_length, "hyperparameters.max_length")
-    run.warn_long_sequences([*rows, *eval_rows], cfg.max_length, "preference")
+    # 1. data and the policy (restored from the last checkpoint when there is one); 2. the frozen reference
+    #    (always the starting model), optimizer and schedule
+    job = open_supervised(spec, out_dir, callbacks, device, "preference")
+    run, model, rows, eval_rows, total_steps = job.run, job.model, job.rows, job.eval_rows, job.total_steps
+    tokenizer, ranks = run.tokenizer, run.ranks
     reference = None  # with LoRA: the policy with its adapters off
     if spec.lora is None:
         reference = prepare(load_causal_lm(spec.model, tokenizer, spec.seed), device, cfg.dtype, False).eval()

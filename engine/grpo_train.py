@@ -56,8 +56,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
     # reward models loaded once.
     learner, cfg = open_policy(run, cfg, device, [*rows, *eval_rows], cfg.kl_coef > 0, cfg.batch_size * G)
     reward = RewardFunction(spec.reward_grader, tokenizer, device, cfg.dtype, callbacks.should_stop)
-    eval_reward = RewardFunction(spec.eval_reward, tokenizer, device, cfg.dtype, callbacks.should_stop) \
-        if spec.eval_reward else reward  # fmt: skip
+    eval_reward = RewardFunction.of(spec.eval_reward, tokenizer, device, cfg.dtype, callbacks.should_stop) or reward
     stop_token_ids = learner.sampling.stop_token_ids
     scorer, eval_scorer = (grader_scorer(r, tokenizer, stop_token_ids) for r in (reward, eval_reward))
     kl_loss_coef = cfg.kl_coef if cfg.kl_coef > 0 and not cfg.kl_as_reward else 0.0

@@ -26,7 +26,15 @@ from engine.data import (
     truncation_warning,
 )
 from engine.distributed import Ranks
-from engine.models import apply_lora, context_length, load_tokenizer
+from engine.models import (
+    apply_lora,
+    check_fits,
+    context_length,
+    load_causal_lm,
+    load_scalar_model,
+    load_tokenizer,
+    prepare,
+)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -298,6 +306,61 @@ class Run:
     def eval_due(self, step: int, every: int | None) -> bool:
         """Whether ``step`` evaluates: every ``every`` steps (None: only the last) and at the last."""
         return step == self.total_steps or bool(every and step % every == 0)
+
+
+@dataclass
+class Supervised:
+    """An offline method's job (SFT, reward model, DPO) as :func:`open_supervised` opens it."""
+
+    run: Run
+    model: PreTrainedModel
+    """The trained model, restored from the last checkpoint when there is one."""
+    rows: list[dict[str, Any]]
+    eval_rows: list[dict[str, Any]]
+    """Rank 0's held-out rows (none elsewhere)."""
+    total_steps: int
+
+
+def open_supervised(
+    spec: JobSpec,
+    out_dir: Path,
+    callbacks: Callbacks,
+    device: torch.device,
+    kind: Literal["sft", "preference"],
+    task: Literal["CAUSAL_LM", "SEQ_CLS"] = "CAUSAL_LM",
+) -> Supervised:
+    """Seed, read the ``kind`` rows of ``dataset`` and ``eval_dataset``, size the job (``epochs`` or
+    ``max_steps``), open its :class:`Run`, and load the trained model (a causal LM, or a scalar model for
+    ``SEQ_CLS``) for sequences of ``max_length`` tokens, with a warning event counting the rows it cuts."""
+    cfg = spec.config
+    assert isinstance(cfg, SFTConfig)
+    seed_everything(spec.seed)
+    ranks = Ranks.current()  # several processes: each takes its share of every batch
+    # the batch order is a function of (seed, step), so resuming needs only the step
+    rows, eval_rows = load_datasets(spec, kind, ranks)
+    run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows})
+
+    def load(ref: str) -> PreTrainedModel:
+        loaded = (load_scalar_model if task == "SEQ_CLS" else load_causal_lm)(ref, run.tokenizer, spec.seed)
+        return prepare(loaded, device, cfg.dtype, cfg.gradient_checkpointing)
+
+    model = run.load_trained("policy", spec.model, load, task)
+    check_fits(model, cfg.max_length, "hyperparameters.max_length")
+    run.warn_long_sequences([*rows, *eval_rows], cfg.max_length, kind)
+    return Supervised(run, model, rows, eval_rows, steps_for_epochs(cfg, len(rows)))
+
+
+def encoded_batches(
+    encode: Callable[[PreTrainedTokenizerBase, list[dict[str, Any]], int], dict[str, torch.Tensor]],
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
+    max_length: int,
+    device: torch.device,
+    size: int = 64,
+) -> list[dict[str, torch.Tensor]]:
+    """``rows`` in batches of ``size``, each ``encode``d and on ``device`` (held-out rows, encoded once)."""
+    batches = [encode(tokenizer, rows[i : i + size], max_length) for i in range(0, len(rows), size)]
+    return [{k: v.to(device) for k, v in batch.items()} for batch in batches]
 
 
 @dataclass

@@ -82,8 +82,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     learner, cfg = open_policy(run, cfg, device, [*prompt_rows, *eval_rows], True, cfg.batch_size)
     value_model, scorer = critic_and_scorer(run, cfg, device, learner.sampling.stop_token_ids)
     stop_token_ids = learner.sampling.stop_token_ids
-    eval_reward = RewardFunction(spec.eval_reward, tokenizer, device, cfg.dtype, callbacks.should_stop) \
-        if spec.eval_reward else None  # fmt: skip
+    eval_reward = RewardFunction.of(spec.eval_reward, tokenizer, device, cfg.dtype, callbacks.should_stop)
     if ptx_rows:
         check_fits(learner.model, cfg.max_length, "hyperparameters.max_length")
     critic = ranks.wrap(ScalarHead(value_model), compile=cfg.torch_compile)  # trained through; rollouts use the model
@@ -91,28 +90,19 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     objective = Objective("ppo_clip", LossSettings(cfg.cliprange, cfg.cliprange), entropy=True,
                           entropy_coef=cfg.entropy_coef)  # fmt: skip
 
-    # Optimizer (policy and critic, each at its learning rate), schedule, KL controller, running score moments,
-    # collapse monitor and RNGs, restored from the last checkpoint when there is one
+    # Optimizer (policy and critic, each at its learning rate), schedule, RNGs, KL controller, running score
+    # moments and collapse monitor, restored from the last checkpoint when there is one
     value_params = [p for p in value_model.parameters() if p.requires_grad]
     value_lr = cfg.value_learning_rate or cfg.learning_rate
     start = learner.start_training(run, cfg, cfg.total_steps, (value_params, value_lr))
     if start.finished:
         return start.finished
-    kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl \
-        else FixedKLController(cfg.kl_coef)  # fmt: skip
-    score_moments = RunningMoments()
-    monitor = CollapseMonitor(**cfg.collapse.model_dump(exclude={"action"}), max_length=cfg.response_length)
-    rng = RolloutRNG(spec.seed, ranks, device, start.state)
-    if state := start.state:
-        kl_ctl.load_state_dict(state["kl_ctl"])
-        score_moments.load_state_dict(state["score_moments"])
-        if "collapse_monitor" in state:  # absent from checkpoints written before the monitor existed
-            monitor.load_state_dict(state["collapse_monitor"])
+    rng, control = RolloutRNG(spec.seed, ranks, device, start.state), Controllers(cfg, start.state)
+    kl_ctl, score_moments, monitor = control.kl_ctl, control.score_moments, control.monitor
 
     def trainer_state() -> dict[str, object]:
-        """What a checkpoint keeps of the parts above besides optimizer and schedule."""
-        return {"kl_ctl": kl_ctl.state_dict(), "score_moments": score_moments.state_dict(),
-                "collapse_monitor": monitor.state_dict(), **rng.state()}  # fmt: skip
+        """What a checkpoint keeps besides optimizer and schedule."""
+        return {**control.state(), **rng.state()}
 
     roll = partial(roll_out_rows, learner, tokenizer, cfg.max_prompt_length, scorer, critic=value_model)
 
@@ -210,6 +200,26 @@ def ptx_minibatch(
 
 PtxBatches = Callable[[int], tuple[dict[str, torch.Tensor], int]]
 """The pretraining rows of an update (its number in the job): this process's share encoded, their label count."""
+
+
+class Controllers:
+    """The KL controller, the running score moments and the collapse monitor, restored from a checkpoint's
+    trainer ``state`` when there is one."""
+
+    def __init__(self, cfg: PPOConfig, state: dict[str, Any] | None) -> None:
+        self.kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl \
+            else FixedKLController(cfg.kl_coef)  # fmt: skip
+        self.score_moments = RunningMoments()
+        self.monitor = CollapseMonitor(**cfg.collapse.model_dump(exclude={"action"}), max_length=cfg.response_length)
+        if state:
+            self.kl_ctl.load_state_dict(state["kl_ctl"])
+            self.score_moments.load_state_dict(state["score_moments"])
+            if "collapse_monitor" in state:  # absent from checkpoints written before the monitor existed
+                self.monitor.load_state_dict(state["collapse_monitor"])
+
+    def state(self) -> dict[str, Any]:
+        return {"kl_ctl": self.kl_ctl.state_dict(), "score_moments": self.score_moments.state_dict(),
+                "collapse_monitor": self.monitor.state_dict()}  # fmt: skip
 
 
 def ppo_gradients(

@@ -48,6 +48,18 @@ class RewardFunction:
                 model = frozen(prepare(load_scalar_model(leaf.model, tokenizer, 0), device, dtype, False))
                 self.models[leaf.model] = (model, tokenizer)
 
+    @classmethod
+    def of(
+        cls,
+        grader: Grader | None,
+        policy_tokenizer: PreTrainedTokenizerBase,
+        device: torch.device,
+        dtype: str,
+        should_stop: StopCheck | None = None,
+    ) -> "RewardFunction | None":
+        """The reward of an optional grader (e.g. a spec's ``eval_reward``): None without one."""
+        return None if grader is None else cls(grader, policy_tokenizer, device, dtype, should_stop)
+
     def __call__(self, samples: Samples, stopped: Sequence[bool]) -> RewardScores:
         def model_scores(grader: ModelGrader, batch: Samples) -> list[float]:
             model, tokenizer = self.models[grader.model]

@@ -14,10 +14,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from engine.callbacks import Callbacks
 from engine.config import JobSpec, RMConfig
 from engine.data import batch_indices, encode_completion, labelled_batch, preference_parts
-from engine.distributed import Ranks
 from engine.learner import Learner, accumulate
-from engine.loop import JobResult, Run, check_finite, load_datasets, seed_everything, steps_for_epochs
-from engine.models import ScalarHead, check_fits, lm_head_weight, load_scalar_model, prepare
+from engine.loop import JobResult, check_finite, encoded_batches, open_supervised
+from engine.models import ScalarHead, lm_head_weight
 from engine.ops import reward_index
 
 
@@ -94,33 +93,17 @@ def pair_gradients(
 def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
     cfg = spec.config
     assert isinstance(cfg, RMConfig)
-    seed_everything(spec.seed)
-    ranks = Ranks.current()  # several processes: each takes its share of every batch
-
-    # 1. data: the batch order is a function of (seed, step), so resuming needs only the step
-    rows, eval_rows = load_datasets(spec, "rm", ranks)
-    total_steps = steps_for_epochs(cfg, len(rows))
-
-    # 2. model (scalar head on the starting model's backbone), optimizer, schedule, resume
-    run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows})
-    tokenizer = run.tokenizer
-
-    def scalar_model(ref: str) -> PreTrainedModel:
-        return prepare(load_scalar_model(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
-
-    model = run.load_trained("policy", spec.model, scalar_model, "SEQ_CLS")
-    check_fits(model, cfg.max_length, "hyperparameters.max_length")
-    run.warn_long_sequences([*rows, *eval_rows], cfg.max_length, "preference")
+    # 1. data, and 2. the model (a scalar head on the starting model's backbone), restored when resuming
+    job = open_supervised(spec, out_dir, callbacks, device, "preference", "SEQ_CLS")
+    run, model, rows, eval_rows, total_steps = job.run, job.model, job.rows, job.eval_rows, job.total_steps
+    tokenizer, ranks = run.tokenizer, run.ranks
     pad_token_id = model.config.pad_token_id  # where the reward is read, as plain transformers reads it
     lm_head = lm_head_weight(model, spec.model) if cfg.lm_loss_coef > 0 else None
     learner = Learner(model, ranks, head=ScalarHead(model))
     start = learner.start_training(run, cfg, total_steps)
     if start.finished:
         return start.finished
-    eval_batches = [
-        {k: v.to(device) for k, v in encode_pairs(tokenizer, eval_rows[i : i + 64], cfg.max_length).items()}
-        for i in range(0, len(eval_rows), 64)
-    ]
+    eval_batches = encoded_batches(encode_pairs, tokenizer, eval_rows, cfg.max_length, device)
 
     for step in range(start.step + 1, total_steps + 1):
         t0 = time.perf_counter()

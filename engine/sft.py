@@ -9,10 +9,8 @@ from transformers import PreTrainedModel
 from engine.callbacks import Callbacks
 from engine.config import JobSpec, SFTConfig
 from engine.data import batch_indices, encode_sft_batch
-from engine.distributed import Ranks
 from engine.learner import Learner, completion_loss_sum, count_labels, sft_gradients
-from engine.loop import JobResult, Run, check_finite, load_datasets, seed_everything, steps_for_epochs
-from engine.models import check_fits, load_causal_lm, prepare
+from engine.loop import JobResult, check_finite, encoded_batches, open_supervised
 
 
 @torch.no_grad()
@@ -26,31 +24,14 @@ def eval_loss(model: PreTrainedModel, batches: list[dict[str, torch.Tensor]]) ->
 def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
     cfg = spec.config
     assert isinstance(cfg, SFTConfig)
-    seed_everything(spec.seed)
-    ranks = Ranks.current()  # several processes: each takes its share of every batch
-
-    # 1. data: the batch order is a function of (seed, step), so resuming needs only the step
-    rows, eval_rows = load_datasets(spec, "sft", ranks)
-    total_steps = steps_for_epochs(cfg, len(rows))
-
-    # 2. model, optimizer and schedule, restored from the last checkpoint when there is one
-    run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows})
-    tokenizer = run.tokenizer
-
-    def causal_lm(ref: str) -> PreTrainedModel:
-        return prepare(load_causal_lm(ref, tokenizer, spec.seed), device, cfg.dtype, cfg.gradient_checkpointing)
-
-    model = run.load_trained("policy", spec.model, causal_lm, "CAUSAL_LM")
-    check_fits(model, cfg.max_length, "hyperparameters.max_length")
-    run.warn_long_sequences([*rows, *eval_rows], cfg.max_length, "sft")
+    job = open_supervised(spec, out_dir, callbacks, device, "sft")  # seeded; rows, run, model, steps
+    run, model, rows, eval_rows, total_steps = job.run, job.model, job.rows, job.eval_rows, job.total_steps
+    tokenizer, ranks = run.tokenizer, run.ranks
     learner = Learner(model, ranks)
     start = learner.start_training(run, cfg, total_steps)
     if start.finished:
         return start.finished
-    eval_batches = [
-        {k: v.to(device) for k, v in encode_sft_batch(tokenizer, eval_rows[i : i + 64], cfg.max_length).items()}
-        for i in range(0, len(eval_rows), 64)
-    ]
+    eval_batches = encoded_batches(encode_sft_batch, tokenizer, eval_rows, cfg.max_length, device)
 
     micro_size = cfg.micro_batch_size // ranks.world_size
     for step in range(start.step + 1, total_steps + 1):

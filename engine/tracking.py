@@ -214,12 +214,7 @@ class Tracker(Forward):
             for backend in list(self.backends):
                 self._busy = backend.name
                 try:
-                    if kind == "start":
-                        backend.start(value, self._resume_id(backend, value))
-                    elif kind == "log":
-                        backend.log(value, metrics)
-                    else:
-                        backend.finish(value)
+                    self._send(backend, kind, value, metrics)
                 except Exception as e:  # the job goes on without this tracker
                     self.backends.remove(backend)
                     text = " ".join(f"{type(e).__name__}: {e}".split())[:300]
@@ -230,6 +225,14 @@ class Tracker(Forward):
                 self._save_run_ids()
             if kind == "finish":
                 return
+
+    def _send(self, backend: Backend, kind: str, value: Any, metrics: Any) -> None:
+        if kind == "start":
+            backend.start(value, self._resume_id(backend, value))
+        elif kind == "log":
+            backend.log(value, metrics)
+        else:
+            backend.finish(value)
 
     def _resume_id(self, backend: Backend, start_step: int) -> str | None:
         """The run ``backend`` had in this job folder, to continue when the job resumes from a checkpoint."""
