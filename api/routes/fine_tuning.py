@@ -32,8 +32,8 @@ from api.openai_schemas import (
     FineTuningJobCreate,
     FineTuningJobs,
 )
-from api.routes.jobs import control_job, store_job, validated_spec
 from api.schemas import ID_PATTERN, looks_like_id
+from api.services.jobs import control_job, store_job, validated_spec
 from jobs.store import crud
 from jobs.store.models import Job, Project
 
@@ -113,7 +113,7 @@ def create_fine_tuning_job(
     except ApiError as e:
         e.param = request_param(e.param, body)
         raise
-    job, _ = store_job(session, settings, enqueue, project, spec, pending, idempotency_key)
+    job, _ = store_job(session, settings, enqueue, project, spec=spec, pending=pending, idempotency_key=idempotency_key)
     return _object(session, project, job)
 
 
