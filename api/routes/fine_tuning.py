@@ -46,10 +46,11 @@ def _fine_tuning_job(session: Session, project: Project, job_id: str) -> Job:
     if job is None:
         raise ApiError(404, "not_found", f"no fine-tuning job {job_id!r} in this project", param="fine_tuning_job_id")
     if job.type not in FINE_TUNING_TYPES:
-        raise ApiError(
-            404, "not_found", f"job {job.id} is a {job.type} job, not a fine-tuning job (sft, dpo or grpo); "
-            f"GET /v1/jobs/{job.id} shows it", param="fine_tuning_job_id",
-        )  # fmt: skip
+        message = (
+            f"job {job.id} is a {job.type} job, not a fine-tuning job ({', '.join(FINE_TUNING_TYPES)}); "
+            f"GET /v1/jobs/{job.id} shows it"
+        )
+        raise ApiError(404, "not_found", message, param="fine_tuning_job_id")
     return job
 
 

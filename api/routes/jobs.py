@@ -22,6 +22,7 @@ from api.schemas import (
     MetricsPublic,
 )
 from api.services.jobs import control_job, job_or_404, store_job, validated_spec
+from engine.config import JOB_TYPES
 from jobs.store import crud
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -29,24 +30,24 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
 MAX_METRIC_NAMES = 100
 """Metric names one history request may ask for."""
 
-SPEC_EXAMPLES: dict[str, Any] = {
-    "sft": {
-        "summary": "Supervised fine-tuning of the built-in model",
-        "value": {"type": "sft", "name": "reviews-sft", "model": "builtin:tiny", "dataset": "builtin:reviews-sft",
-                  "eval_dataset": "builtin:reviews-sft-eval", "hyperparameters": {"epochs": 3, "batch_size": 32}},
-    },
-    "rm": {
-        "summary": "Reward model from a finished SFT job, on an uploaded preference file",
-        "value": {"type": "rm", "model": "job:job_0123456789ab", "dataset": "file-0123456789ab",
-                  "hyperparameters": {"epochs": 1, "learning_rate": 5e-4}},
-    },
-    "ppo": {
-        "summary": "PPO from an SFT job against an RM job, with LoRA",
-        "value": {"type": "ppo", "model": "job:job_0123456789ab", "reward_model": "job:job_ba9876543210",
-                  "dataset": "builtin:reviews-prompts", "hyperparameters": {"total_steps": 20, "kl_coef": 0.05},
-                  "lora": {"r": 8, "alpha": 16}, "checkpoint_every": 10, "metadata": {"experiment": "demo"}},
-    },
-}  # fmt: skip
+SFT_JOB = "job:job_0123456789ab"
+"""The examples' finished SFT job, the starting model of every type but sft."""
+RM_JOB = "job:job_ba9876543210"
+"""The examples' finished reward-model job."""
+
+
+def _example(job_type: str) -> dict[str, Any]:
+    """A spec of ``job_type``: its stage of ``rlhf demo`` (``JOB_TYPES[job_type].demo``), from the built-in model
+    (sft) or an SFT job, against a reward-model job where it trains against a reward and its stage names none."""
+    info = JOB_TYPES[job_type]
+    value = {"type": job_type, "model": "builtin:tiny" if job_type == "sft" else SFT_JOB, **info.demo}
+    if info.reward_model and "reward" not in value:
+        value["reward_model"] = RM_JOB
+    return {"summary": f"{job_type}: {info.summary}", "value": value}
+
+
+SPEC_EXAMPLES = {job_type: _example(job_type) for job_type in JOB_TYPES}
+"""One example spec per job type, in ``POST /v1/jobs``'s OpenAPI body."""
 
 
 # --- create, list, get -------------------------------------------------------------------------
