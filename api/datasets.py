@@ -44,11 +44,6 @@ MAX_LINE_BYTES = 1024 * 1024
 """Default cap on one line of an upload (``Settings.max_line_bytes``)."""
 
 
-def count_rows(stream: BinaryIO, purpose: str, max_line_bytes: int = MAX_LINE_BYTES) -> int:
-    """The number of rows of a valid ``purpose`` dataset; raises InvalidFile at the first bad line."""
-    return summarize(stream, purpose, max_line_bytes).rows
-
-
 def summarize(stream: BinaryIO, purpose: str, max_line_bytes: int = MAX_LINE_BYTES) -> Summary:
     """Rows of a valid ``purpose`` dataset, whether they are chat rows, and their kind; raises InvalidFile at the
     first bad line. A ``fine-tune`` file's kind is its first row's (supervised, DPO or reinforcement rows), and

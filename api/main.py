@@ -31,18 +31,40 @@ from api.routes import (
 from api.routes import openai as openai_routes
 from api.routes.files import remove_stale_uploads
 from api.uploads import BodySizeLimit
-from engine.config import JobSpec
+from engine.config import JOB_TYPES, JobSpec
 from jobs.celery_app import celery_app, make_celery
 from jobs.recovery import RecoveryThread
 from jobs.store.settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
 
-DESCRIPTION = """Train language models from human feedback: supervised fine-tuning (`sft`), reward models (`rm`)
-and PPO (`ppo`). Upload JSONL datasets, create jobs, follow their metrics live, and sample from any checkpoint.
+_JOB_TYPE_LINES = "\n".join(f"- `{name}`: {info.summary}" for name, info in JOB_TYPES.items())
+DESCRIPTION = f"""Train language models from human feedback, as jobs each described by one JSON spec, of these
+types (`GET /v1/job_types` gives each one's dataset kind, defaults and headline metrics):
+
+{_JOB_TYPE_LINES}
+
+Upload JSONL datasets, create jobs (one by one, or as a pipeline whose stages start from earlier ones), follow
+their metrics live, and sample from any checkpoint, also through OpenAI's completion and fine-tuning APIs.
 
 Every request under `/v1` needs `Authorization: Bearer <key>`. Errors answer
-`{"error": {"code", "message", "param"}}`."""
+`{{"error": {{"code", "message", "param", "type"}}}}`."""
+
+TAGS = [
+    {"name": "files", "description": "JSONL datasets, validated line by line before they are stored."},
+    {
+        "name": "jobs",
+        "description": f"Training jobs ({', '.join(JOB_TYPES)}) and pipelines of them: create, follow, control, "
+        "download.",
+    },
+    {"name": "generation", "description": "Sampling from any checkpoint of a job that trains a policy."},
+    {
+        "name": "openai",
+        "description": "OpenAI's models, completions, chat completions and fine-tuning APIs over the same jobs.",
+    },
+    {"name": "health", "description": "Liveness and readiness, without a key."},
+]
+"""The OpenAPI tags of the routes, in the order ``/docs`` shows them."""
 
 
 def create_app(
@@ -88,6 +110,7 @@ def create_app(
         title="rlhf-server",
         version="0.1.0",
         description=DESCRIPTION,
+        openapi_tags=TAGS,
         lifespan=lifespan,
     )
     app.state.settings = settings
@@ -145,7 +168,13 @@ def _openapi_with_job_spec(app: FastAPI) -> Callable[[], dict[str, Any]]:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
             return app.openapi_schema
-        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schema = get_openapi(
+            title=app.title,
+            version=app.version,
+            description=app.description,
+            routes=app.routes,
+            tags=app.openapi_tags,
+        )
         spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components.update(spec_schema.pop("$defs", {}))

@@ -144,13 +144,13 @@ class JobTypePublic(BaseModel):
     generates: bool
     """Whether its checkpoints sample text (generate, the OpenAI-compatible routes)."""
     reward_model: bool
-    """Whether its spec names a ``reward_model``."""
+    """Whether it trains against a reward: its spec names a ``reward_model`` or a ``reward``."""
     metrics: list[str]
     """Headline metrics, for charts."""
     hyperparameters: dict[str, Any]
     """Every hyperparameter with its default."""
     builtin_datasets: list[str]
-    """Built-in datasets of its kind (the reviews task)."""
+    """Built-in datasets of its kind (the reviews and digits tasks)."""
     example: dict[str, Any]
     """Its stage of the built-in demo: a spec less ``type``, ``model`` and ``reward_model``."""
 
@@ -266,7 +266,8 @@ class CheckpointsPublic(BaseModel):
 
 
 class SamplePublic(BaseModel):
-    """A rollout a PPO or GRPO job kept (every ``log_samples_every`` steps)."""
+    """A rollout kept by a job that samples as it trains, every ``log_samples_every`` steps (a hyperparameter of
+    those types)."""
 
     position: int
     """Its place among the step's samples (the batch's order: a GRPO group's samples side by side)."""

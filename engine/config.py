@@ -770,7 +770,7 @@ class JobSpec(_Strict):
     """
 
     type: Annotated[str, Field(json_schema_extra={"enum": list(JOB_TYPES)})]
-    """Job type: one of :data:`JOB_TYPES` (sft, rm, ppo)."""
+    """Job type: a name of :data:`JOB_TYPES` (``GET /v1/job_types`` lists them)."""
     name: Annotated[str, Field(max_length=200), AfterValidator(_clean_text)] | None = None
     """Optional label."""
     model: Annotated[str, Field(min_length=1, max_length=500)]

@@ -34,10 +34,6 @@ _answers: dict[str, tuple[float, bool]] = {}
 """endpoint → (time.monotonic() of the probe, reachable)."""
 
 
-class HubUnreachableError(ValueError):
-    """A hub model that is not in the local cache, on a machine that cannot (or may not) download it."""
-
-
 def is_hub_id(ref: str) -> bool:
     """A hub id that transformers would not mistake for a folder of this machine: ``from_pretrained`` loads a
     local folder of that name first, so a hub-id-shaped name that exists here counts as a local path."""

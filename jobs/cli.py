@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="prompt text; repeat for several")
     p.add_argument("--model", help="local job folder, checkpoint folder, model folder or hub id (no server)")
     p.add_argument("--checkpoint", default="latest", type=lambda s: s if s == "latest" else int(s))
-    p.add_argument("--score", action="store_true", help="add reward-model scores (PPO jobs)")
+    p.add_argument("--score", action="store_true", help="add scores by the reward model the job trained against")
     engine_cli.add_sampling_arguments(p)
     p.set_defaults(func=cmd_generate)
 

@@ -150,8 +150,8 @@ def generate(
     messages: list[dict[str, str]] | None = None,
     settings: Settings,
 ) -> dict[str, Any]:
-    """Complete each prompt ``n`` times from checkpoint ``step`` (None or ``"latest"``: the newest) of an sft or
-    ppo job. Same arguments, same texts (seeded sampling; the ``n`` samples of a prompt are distinct draws).
+    """Complete each prompt ``n`` times from checkpoint ``step`` (None or ``"latest"``: the newest) of a job that
+    trains a policy. Same arguments, same texts (seeded sampling; the ``n`` samples of a prompt are distinct draws).
 
     A completion ends at the checkpoint's stop tokens (its generation config's ``eos_token_id``, e.g. Llama 3's
     ``<|eot_id|>``, and its tokenizer's EOS: where transformers' ``generate`` ends), finish reason ``stop``, the
@@ -164,8 +164,8 @@ def generate(
     Returns ``{"checkpoint": step, "completions": [{"prompt", "text", "finish_reason"[, "score"]}], "usage":
     {"prompt_tokens", "completion_tokens"}}``: completions prompt by prompt, ``n`` each; ``usage`` counts each
     prompt's tokens once (as sampled from: truncated to fit the context) and every sampled token up to the end
-    of its text (its stop token, or the token completing a stop string). Scores come from a ppo job's reward
-    model. Any request that cannot be served raises GenerateError.
+    of its text (its stop token, or the token completing a stop string). Scores come from the reward model the
+    job trained against (its ``reward_model``). Any request that cannot be served raises GenerateError.
     """
     if step == "latest":
         step = None

@@ -32,8 +32,8 @@ from api.openai_schemas import (
     FineTuningJobCreate,
     FineTuningJobs,
 )
-from api.routes.jobs import control_job, store_job, validated_spec
 from api.schemas import ID_PATTERN, looks_like_id
+from api.services.jobs import control_job, store_job, validated_spec
 from jobs.store import crud
 from jobs.store.models import Job, Project
 
@@ -46,10 +46,11 @@ def _fine_tuning_job(session: Session, project: Project, job_id: str) -> Job:
     if job is None:
         raise ApiError(404, "not_found", f"no fine-tuning job {job_id!r} in this project", param="fine_tuning_job_id")
     if job.type not in FINE_TUNING_TYPES:
-        raise ApiError(
-            404, "not_found", f"job {job.id} is a {job.type} job, not a fine-tuning job (sft, dpo or grpo); "
-            f"GET /v1/jobs/{job.id} shows it", param="fine_tuning_job_id",
-        )  # fmt: skip
+        message = (
+            f"job {job.id} is a {job.type} job, not a fine-tuning job ({', '.join(FINE_TUNING_TYPES)}); "
+            f"GET /v1/jobs/{job.id} shows it"
+        )
+        raise ApiError(404, "not_found", message, param="fine_tuning_job_id")
     return job
 
 
@@ -113,7 +114,7 @@ def create_fine_tuning_job(
     except ApiError as e:
         e.param = request_param(e.param, body)
         raise
-    job, _ = store_job(session, settings, enqueue, project, spec, pending, idempotency_key)
+    job, _ = store_job(session, settings, enqueue, project, spec=spec, pending=pending, idempotency_key=idempotency_key)
     return _object(session, project, job)
 
 

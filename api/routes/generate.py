@@ -9,8 +9,8 @@ from sqlalchemy.orm import Session
 from api.deps import CurrentProject, GenerateDep, SessionDep
 from api.errors import ApiError, ErrorResponse, error_responses
 from api.queue import run_generation
-from api.routes.jobs import job_or_404
 from api.schemas import GenerateRequest, GenerateResponse
+from api.services.jobs import job_or_404
 from engine.config import GENERATING_TYPES, JOB_TYPES
 from jobs.store import crud
 from jobs.store.models import Project

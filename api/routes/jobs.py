@@ -1,15 +1,11 @@
 """``/v1/jobs``: create (validated in full, enqueued after commit), list, get, control, and history."""
 
-import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Header, Query, Response
-from pydantic import ValidationError
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
 
-from api.deps import CurrentProject, Enqueue, EnqueueDep, SessionDep, SettingsDep
-from api.errors import ApiError, ErrorResponse, error_responses, not_found, spec_error
+from api.deps import CurrentProject, EnqueueDep, SessionDep, SettingsDep
+from api.errors import ApiError, ErrorResponse, error_responses
 from api.schemas import (
     ID_PATTERN,
     MAX_INT32,
@@ -24,47 +20,34 @@ from api.schemas import (
     JobType,
     MetricPoint,
     MetricsPublic,
-    looks_like_id,
 )
-from engine.config import JobSpec
-from jobs.recovery import release_once
+from api.services.jobs import control_job, job_or_404, store_job, validated_spec
+from engine.config import JOB_TYPES
 from jobs.store import crud
-from jobs.store.models import FINAL_STATUSES, Job, Project, utcnow
-from jobs.store.refs import SpecReferenceError, auto_values, dependencies, resolve_spec
-from jobs.store.settings import Settings
 
-logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 MAX_METRIC_NAMES = 100
 """Metric names one history request may ask for."""
 
-SPEC_EXAMPLES: dict[str, Any] = {
-    "sft": {
-        "summary": "Supervised fine-tuning of the built-in model",
-        "value": {"type": "sft", "name": "reviews-sft", "model": "builtin:tiny", "dataset": "builtin:reviews-sft",
-                  "eval_dataset": "builtin:reviews-sft-eval", "hyperparameters": {"epochs": 3, "batch_size": 32}},
-    },
-    "rm": {
-        "summary": "Reward model from a finished SFT job, on an uploaded preference file",
-        "value": {"type": "rm", "model": "job:job_0123456789ab", "dataset": "file-0123456789ab",
-                  "hyperparameters": {"epochs": 1, "learning_rate": 5e-4}},
-    },
-    "ppo": {
-        "summary": "PPO from an SFT job against an RM job, with LoRA",
-        "value": {"type": "ppo", "model": "job:job_0123456789ab", "reward_model": "job:job_ba9876543210",
-                  "dataset": "builtin:reviews-prompts", "hyperparameters": {"total_steps": 20, "kl_coef": 0.05},
-                  "lora": {"r": 8, "alpha": 16}, "checkpoint_every": 10, "metadata": {"experiment": "demo"}},
-    },
-}  # fmt: skip
+SFT_JOB = "job:job_0123456789ab"
+"""The examples' finished SFT job, the starting model of every type but sft."""
+RM_JOB = "job:job_ba9876543210"
+"""The examples' finished reward-model job."""
 
 
-def job_or_404(session: Session, project: Project, job_id: str) -> Job:
-    """The caller's job, or 404 — also for another project's job, which is indistinguishable from none."""
-    job = crud.get_job(session, job_id=job_id, project_id=project.id) if looks_like_id(job_id) else None
-    if job is None:
-        raise not_found("job", job_id)
-    return job
+def _example(job_type: str) -> dict[str, Any]:
+    """A spec of ``job_type``: its stage of ``rlhf demo`` (``JOB_TYPES[job_type].demo``), from the built-in model
+    (sft) or an SFT job, against a reward-model job where it trains against a reward and its stage names none."""
+    info = JOB_TYPES[job_type]
+    value = {"type": job_type, "model": "builtin:tiny" if job_type == "sft" else SFT_JOB, **info.demo}
+    if info.reward_model and "reward" not in value:
+        value["reward_model"] = RM_JOB
+    return {"summary": f"{job_type}: {info.summary}", "value": value}
+
+
+SPEC_EXAMPLES = {job_type: _example(job_type) for job_type in JOB_TYPES}
+"""One example spec per job type, in ``POST /v1/jobs``'s OpenAPI body."""
 
 
 # --- create, list, get -------------------------------------------------------------------------
@@ -99,159 +82,12 @@ def create_job(
     stored ``waiting``: it is queued when that job succeeds, and fails with ``dependency_failed`` if it does not.
     """
     spec, pending = validated_spec(session, settings, project, body)
-    job, created = store_job(session, settings, enqueue, project, spec, pending, idempotency_key)
+    job, created = store_job(
+        session, settings, enqueue, project, spec=spec, pending=pending, idempotency_key=idempotency_key
+    )
     if not created:
         response.status_code = 200
     return JobPublic.of(job)
-
-
-def store_job(
-    session: Session,
-    settings: Settings,
-    enqueue: Enqueue,
-    project: Project,
-    spec: dict[str, Any],
-    pending: list[str],
-    idempotency_key: str | None,
-) -> tuple[Job, bool]:
-    """Store a validated spec's job and queue it after the commit; (the job, whether it is new). An earlier
-    request's job when ``idempotency_key`` was used before with the same spec (sent again if its message never
-    went out); 409 with another spec. 429 when the project has ``settings.max_pending_jobs`` queued or waiting."""
-    if (
-        idempotency_key is None
-        or crud.job_for_key(session, project_id=project.id, idempotency_key=idempotency_key) is None
-    ):
-        check_pending(session, settings, project, 1)
-    job, created = _create_or_replay(session, project.id, spec, idempotency_key, pending)
-    if not created:
-        if job.spec != spec:
-            raise ApiError(
-                409,
-                "conflict",
-                "this Idempotency-Key was already used with a different job spec",
-                param="Idempotency-Key",
-            )
-        if job.status == "queued" and job.sent_at is None:  # its first request stopped before sending it
-            send_created(session, settings, enqueue, [job])
-            session.refresh(job)
-        return job, False
-    session.commit()
-    send_created(session, settings, enqueue, [job])
-    session.refresh(job)
-    return job, True
-
-
-def check_pending(session: Session, settings: Settings, project: Project, adding: int) -> None:
-    """429 ``too_many_pending_jobs`` when ``adding`` more jobs would take the project past
-    ``settings.max_pending_jobs`` queued and waiting ones."""
-    pending = crud.count_pending(session, project_id=project.id)
-    if pending + adding > settings.max_pending_jobs:
-        message = (
-            f"the project has {pending} queued or waiting jobs, and takes at most {settings.max_pending_jobs} "
-            "(RLHF_MAX_PENDING_JOBS): submit again once some have started, or cancel some"
-        )
-        raise ApiError(429, "too_many_pending_jobs", message)
-
-
-def validated_spec(
-    session: Session, settings: Settings, project: Project, body: dict[str, Any], param_prefix: str = ""
-) -> tuple[dict[str, Any], list[str]]:
-    """The spec as stored (every default filled in, so equal specs are stored equal: idempotency compares them;
-    the epochs or steps and the learning rate it leaves out chosen "auto" from its dataset's rows and its model's
-    width, engine/auto.py) and the unfinished jobs it names; a 422 naming the field (after ``param_prefix``) when
-    it is refused."""
-    try:
-        spec = JobSpec.model_validate(body).model_dump(mode="json")
-    except ValidationError as e:
-        raise _prefixed(spec_error(e, body), param_prefix) from None
-    pending: list[str] = []
-    try:
-        resolve_spec(
-            session,
-            project_id=project.id,
-            spec=spec,
-            artifacts=settings.resolved_artifacts_dir,
-            model_root=settings.model_root,
-            hub_downloads=settings.hub_downloads,
-            reward_urls=settings.reward_urls,
-            reward_functions=settings.reward_functions,
-            pending=pending,
-        )
-    except SpecReferenceError as e:
-        raise ApiError(422, e.code, e.message, param=param_prefix + e.param) from None
-    given = body.get("hyperparameters") or {}
-    chosen = auto_values(
-        session,
-        project_id=project.id,
-        spec=spec,
-        given=given,
-        artifacts=settings.resolved_artifacts_dir,
-        model_root=settings.model_root,
-    )
-    if chosen:  # the values chosen are stored with the spec, so the job shows what it trains with
-        spec["hyperparameters"] = JobSpec.model_validate(
-            {**body, "hyperparameters": {**given, **chosen}}
-        ).hyperparameters
-    processes = spec["resources"]["num_processes"]
-    if processes > settings.max_processes:
-        message = (f"{processes} processes asked; this server's workers train a job in at most "
-                   f"{settings.max_processes} (RLHF_MAX_PROCESSES)")  # fmt: skip
-        raise ApiError(422, "too_many_processes", message, param=param_prefix + "resources.num_processes")
-    return spec, pending
-
-
-def _prefixed(error: ApiError, prefix: str) -> ApiError:
-    if prefix:
-        error.param = prefix + error.param if error.param else prefix.removesuffix(".")
-    return error
-
-
-def send_created(session: Session, settings: Settings, enqueue: Enqueue, jobs: list[Job]) -> None:
-    """After the commit: send each new queued job to its train queue (one the broker refuses fails as
-    ``enqueue_failed``, and the request answers 503), then release the waiting ones whose dependencies finished
-    in the meantime."""
-    refused, sent = [], []
-    for job in jobs:
-        if job.status != "queued":
-            continue
-        try:
-            enqueue(job.id, crud.job_queue(job))
-            sent.append(job.id)
-        except Exception:
-            logger.exception("could not enqueue job %s", job.id)
-            crud.transition(
-                session,
-                job_id=job.id,
-                from_statuses=("queued",),
-                to="failed",
-                finished_at=utcnow(),
-                error_code="enqueue_failed",
-                error_message="the job could not be queued: the broker did not accept it",
-            )
-            session.commit()
-            refused.append(job.id)
-    crud.mark_sent(session, job_ids=sent)
-    session.commit()
-    if waiting := [dependency for job in jobs if job.status == "waiting" for dependency in dependencies(job.spec)]:
-        release_once(settings, enqueue, waiting)  # a dependency may have ended between the check and the commit
-    if refused:
-        # The broker's own message (SQL, task bodies, routing keys) goes to the log above, never to the client.
-        raise ApiError(503, "unavailable", f"the job {refused[0]} was stored but the broker did not accept it")
-
-
-def _create_or_replay(
-    session: Session, project_id: str, spec: dict[str, Any], idempotency_key: str | None, pending: list[str]
-) -> tuple[Job, bool]:
-    try:
-        return crud.create_job(session, project_id=project_id, spec=spec, idempotency_key=idempotency_key,
-                               waiting_for=pending)  # fmt: skip
-    except IntegrityError:
-        if idempotency_key is None:
-            raise
-        # A concurrent request with the same key won the insert; answer with its job.
-        session.rollback()
-        return crud.create_job(session, project_id=project_id, spec=spec, idempotency_key=idempotency_key,
-                               waiting_for=pending)  # fmt: skip
 
 
 @router.get("")
@@ -278,52 +114,6 @@ def get_job(session: SessionDep, project: CurrentProject, job_id: str) -> JobPub
 
 
 # --- cancel, pause, resume ---------------------------------------------------------------------
-
-# Per action: (from statuses, to status) moves, tried in order; and the statuses that already answer it.
-_MOVES: dict[str, list[tuple[tuple[str, ...], str]]] = {
-    "cancel": [(("waiting", "queued", "paused"), "cancelled"), (("running", "pausing"), "cancelling")],
-    "pause": [(("running",), "pausing"), (("queued",), "paused")],
-    "resume": [(("paused",), "queued")],
-}
-_ALREADY = {"cancel": ("cancelling",), "pause": ("pausing", "paused"), "resume": ()}
-
-
-def _control(session: Session, job: Job, action: str) -> str | None:
-    """Apply ``action`` with guarded transitions; the new status, or None when it was already under way.
-
-    Retries when a worker changed the status between the read and the update; 409 when the status does
-    not allow the action.
-    """
-    for _ in range(3):
-        for from_statuses, to in _MOVES[action]:
-            extra = {"finished_at": utcnow(), "worker": None, "lease_until": None} if to in FINAL_STATUSES else {}
-            if crud.transition(session, job_id=job.id, from_statuses=from_statuses, to=to, **extra):
-                return to
-        session.refresh(job)
-        if job.status in _ALREADY[action]:
-            return None
-        if not any(job.status in from_statuses for from_statuses, _ in _MOVES[action]):
-            break
-    raise ApiError(409, "conflict", f"cannot {action} job {job.id}: it is {job.status}")
-
-
-def control_job(session: Session, settings: Settings, enqueue: Enqueue, job: Job, action: str) -> None:
-    """Cancel, pause or resume ``job`` (see the routes below) and commit; ``job`` is refreshed after."""
-    _control(session, job, action)
-    session.commit()
-    if action == "resume":
-        try:
-            enqueue(job.id, crud.job_queue(job))
-        except Exception as e:
-            logger.exception("could not enqueue job %s", job.id)
-            crud.transition(session, job_id=job.id, from_statuses=("queued",), to="paused")
-            session.commit()
-            raise ApiError(503, "unavailable", "the broker did not accept the job, so it stays paused") from e
-        crud.mark_sent(session, job_ids=[job.id])
-        session.commit()
-    session.refresh(job)
-    if action == "cancel" and job.status == "cancelled":
-        release_once(settings, enqueue, [job.id])  # the jobs waiting for it fail
 
 
 @router.post("/{job_id}/cancel", responses={409: {"model": ErrorResponse}})

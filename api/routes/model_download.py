@@ -24,8 +24,8 @@ from sqlalchemy.orm import Session
 
 from api.deps import CurrentProject, SessionDep, SettingsDep
 from api.errors import ApiError, ErrorResponse
-from api.routes.jobs import job_or_404
 from api.schemas import MAX_INT32
+from api.services.jobs import job_or_404
 from api.tar_stream import Member, archive_size, stream
 from jobs.store import crud
 from jobs.store.models import LIVE_STATUSES, Job

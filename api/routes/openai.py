@@ -1,9 +1,10 @@
 """OpenAI-compatible endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``,
 so the official ``openai`` client (or any tool speaking that API) can sample from the project's policies.
 
-Models are ``job:<id>`` (a succeeded sft or ppo job's final model) and ``job:<id>@<step>`` (any kept checkpoint,
-also of a job still training), as in job specs. Same key, project scoping, body cap and error envelope as the
-rest of the API; generation runs on an inference worker through the ``rlhf.generate`` task.
+Models are ``job:<id>`` (the final model of a succeeded job that trains a policy: any type but a reward model's)
+and ``job:<id>@<step>`` (any kept checkpoint, also of a job still training), as in job specs. Same key, project
+scoping, body cap and error envelope as the rest of the API; generation runs on an inference worker through the
+``rlhf.generate`` task.
 """
 
 import re
@@ -119,9 +120,9 @@ def _resolve(session: Session, project: Project, model: str) -> tuple[str, int, 
 
 @router.get("/models", response_model=ModelList, responses=error_responses(500))
 def list_models(session: SessionDep, project: CurrentProject) -> ModelList:
-    """The project's models in OpenAI's list format: each succeeded sft or ppo job as ``job:<id>`` (its final
-    model) and every kept checkpoint of its sft and ppo jobs, finished or still training, as
-    ``job:<id>@<step>``. Reward models are left out: they do not generate."""
+    """The project's models in OpenAI's list format: each succeeded job that trains a policy as ``job:<id>`` (its
+    final model) and every kept checkpoint of its policy jobs, finished or still training, as ``job:<id>@<step>``.
+    Reward models are left out: they do not generate."""
     return _list_models(session, project)
 
 

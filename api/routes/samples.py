@@ -7,8 +7,8 @@ from fastapi import APIRouter, Query
 
 from api.deps import CurrentProject, SessionDep
 from api.errors import ApiError
-from api.routes.jobs import job_or_404
 from api.schemas import MAX_INT32, SamplePublic, SamplesPublic
+from api.services.jobs import job_or_404
 from jobs.store import crud
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])

@@ -38,8 +38,8 @@ from fastapi.responses import StreamingResponse
 
 from api.deps import CurrentProject, SessionDep, SettingsDep
 from api.errors import ApiError
-from api.routes.jobs import job_or_404
 from api.schemas import EventPublic
+from api.services.jobs import job_or_404
 from jobs.store import crud
 from jobs.store.db import session_scope
 from jobs.store.models import FINAL_STATUSES

@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from api.deps import CurrentProject, SessionDep, SettingsDep
 from api.errors import ApiError
-from api.routes.jobs import job_or_404
+from api.services.jobs import job_or_404
 from engine.tracking import TENSORBOARD_DIR
 from jobs.store.refs import job_dir
 

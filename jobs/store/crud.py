@@ -58,10 +58,6 @@ def create_api_key(session: Session, *, project_id: str, name: str) -> tuple[Api
     return row, key
 
 
-def any_project(session: Session) -> bool:
-    return session.scalars(select(Project.id).limit(1)).first() is not None
-
-
 def project_by_name(session: Session, *, name: str) -> Project | None:
     """The oldest project of that name."""
     return session.scalars(select(Project).where(Project.name == name).order_by(Project.created_at)).first()

@@ -1,4 +1,4 @@
-"""The first API key of ``rlhf serve`` and ``rlhf keys create``."""
+"""The API key of ``rlhf serve`` (its key file) and ``rlhf keys create``."""
 
 import stat
 from pathlib import Path
@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 
 from api.main import create_app
 from jobs.store import crud
-from jobs.store.bootstrap import create_key, ensure_default_key, upgrade_database
+from jobs.store.bootstrap import create_key, ensure_key_file, upgrade_database
 from jobs.store.db import session_scope
 from jobs.store.migrate import upgrade
 from jobs.store.settings import Settings
@@ -15,17 +15,25 @@ from tests.api.helpers import SFT_SPEC
 from tests.factories import make_settings
 
 
-def test_default_key_once_then_more_keys(tmp_path: Path) -> None:
-    # A database of its own: ensure_default_key acts only on one without any project.
+def test_the_key_file_is_written_once_then_more_keys(tmp_path: Path) -> None:
+    # What rlhf serve does at every start: a key for project default in the key file, unless it holds a valid one.
     url = f"sqlite:///{tmp_path / 'rlhf.db'}"
     upgrade(url)
     settings = make_settings(tmp_path, url)
-    key = ensure_default_key(settings)
-    assert key is not None and key.startswith("rlhf-")
-    assert ensure_default_key(settings) is None
+    key_file = tmp_path / "api-key"
+    ensure_key_file(settings, key_file)
+    key = key_file.read_text().strip()
+    assert key.startswith("rlhf-")
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    ensure_key_file(settings, key_file)
+    assert key_file.read_text().strip() == key  # a valid key is kept
 
     second = create_key(settings, "default")
     other = create_key(settings, "research")
+    key_file.write_text("rlhf-not-a-key\n")
+    ensure_key_file(settings, key_file)
+    replaced = key_file.read_text().strip()
+    assert replaced not in (key, "rlhf-not-a-key")
     with TestClient(create_app(settings, enqueue=lambda *_: None, recovery_interval=None)) as client:
 
         def job_ids(api_key: str) -> list[str]:
@@ -35,7 +43,7 @@ def test_default_key_once_then_more_keys(tmp_path: Path) -> None:
 
         created = client.post("/v1/jobs", headers={"Authorization": f"Bearer {key}"}, json=SFT_SPEC)
         assert created.status_code == 201
-        assert job_ids(key) == job_ids(second) == [created.json()["id"]]  # the same project
+        assert job_ids(key) == job_ids(second) == job_ids(replaced) == [created.json()["id"]]  # the same project
         assert job_ids(other) == []  # a project of its own
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from api.datasets import InvalidFile, Summary, count_rows, summarize
+from api.datasets import InvalidFile, Summary, summarize
 from engine.data import DatasetError, parse_jsonl
 from engine.rows import split_lines
 
@@ -40,7 +40,7 @@ CASES = [
 )
 def test_line_breaks_in_strings_are_text_and_unparsable_lines_are_named(content: bytes, expected: int | str) -> None:
     try:
-        got: int | str = count_rows(io.BytesIO(content), "sft")
+        got: int | str = summarize(io.BytesIO(content), "sft").rows
     except InvalidFile as e:
         got = verdict(e)
     assert got == expected
@@ -59,7 +59,7 @@ def test_same_verdict_as_the_engine(content: bytes) -> None:
     except DatasetError as e:
         expected = verdict(e)
     try:
-        got: int | str = count_rows(io.BytesIO(content), "sft")
+        got: int | str = summarize(io.BytesIO(content), "sft").rows
     except InvalidFile as e:
         got = verdict(e)
     assert got == expected

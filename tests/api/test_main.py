@@ -13,6 +13,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from api.main import create_app
+from engine.config import JOB_TYPES, JobSpec
 from tests.api.helpers import error_of
 from tests.factories import make_settings
 
@@ -58,13 +59,25 @@ def test_openapi_documents_the_job_spec_with_examples(client: TestClient) -> Non
     document = client.get("/openapi.json").json()
     body = document["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"] == {"$ref": "#/components/schemas/JobSpec"}
-    assert set(body["examples"]) == {"sft", "rm", "ppo"}
+    assert set(body["examples"]) == set(JOB_TYPES)  # one per job type, each a valid spec of its type
+    for job_type, example in body["examples"].items():
+        assert JobSpec.model_validate(example["value"]).type == job_type
     spec = document["components"]["schemas"]["JobSpec"]
     assert {"type", "model", "dataset", "hyperparameters", "lora"} <= set(spec["properties"])
     assert "LoraSpec" in document["components"]["schemas"]
     generate = document["components"]["schemas"]["GenerateRequest"]
     assert generate["examples"]
     assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+
+
+def test_openapi_says_what_the_service_trains(client: TestClient) -> None:
+    document = client.get("/openapi.json").json()
+    description = document["info"]["description"]
+    assert all(f"`{job_type}`: {info.summary}" in description for job_type, info in JOB_TYPES.items())
+    tags = {tag["name"]: tag["description"] for tag in document["tags"]}
+    used = {tag for item in document["paths"].values() for operation in item.values() for tag in operation["tags"]}
+    assert used == set(tags)  # every tag the routes use is described, and no other
+    assert all(job_type in tags["jobs"] for job_type in JOB_TYPES)
 
 
 def test_errors_share_one_envelope(client: TestClient) -> None:
