@@ -1,0 +1,131 @@
+"""The chassis every loop uses (engine/learner.py): a minibatch's gradients do not depend on how it is split into
+micro-batches, the objective's terms are the formulas', the optimizer step clips the norm of every group together,
+and the update driver shuffles, counts and stops as documented."""
+
+import math
+
+import pytest
+import torch
+
+from engine.config import SFTConfig
+from engine.distributed import Ranks
+from engine.learner import Learner, LossInputs, Objective, Tokens, accumulate, micro_batches, run_updates
+from engine.loop import make_optimizer, make_scheduler
+from engine.models import load_causal_lm, load_tokenizer, token_logprobs
+from engine.policy_losses import LossSettings
+from engine.ppo import kl_per_token
+
+P, T, N = 4, 5, 6
+
+
+@pytest.fixture
+def learner() -> Learner:
+    tokenizer = load_tokenizer("builtin:tiny")
+    model = load_causal_lm("builtin:tiny", tokenizer, seed=0)
+    learner = Learner(model, Ranks(), chunk_size=4)
+    cfg = SFTConfig(max_grad_norm=1.0)
+    learner.optimizer = make_optimizer(model.parameters(), cfg, 1e-3)
+    learner.scheduler = make_scheduler(learner.optimizer, cfg, 10)
+    learner.max_grad_norm = 1.0
+    return learner
+
+
+def batch() -> tuple[Tokens, LossInputs]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 60, (N, P + T), generator=generator)
+    attention = torch.ones_like(ids)
+    attention[0, :2] = 0  # a left-padded prompt
+    mask = torch.ones(N, T)
+    mask[1, 3:] = 0  # a response that stopped early
+    attention[1, P + 3 :] = 0
+    old = torch.randn(N, T, generator=generator) * 0.1 - 3.0
+    advantages = torch.randn(N, T, generator=generator)
+    ref = old + 0.05 * torch.randn(N, T, generator=generator)
+    inputs = LossInputs(old * mask, advantages * mask, mask, N, mask.sum(), ref * mask)
+    return Tokens(ids, attention, P), inputs
+
+
+def rows(inputs: LossInputs, index: slice) -> LossInputs:
+    assert inputs.ref_logprobs is not None
+    return LossInputs(inputs.old_logprobs[index], inputs.advantages[index], inputs.mask[index], inputs.n_sequences,
+                      inputs.n_tokens, inputs.ref_logprobs[index])  # fmt: skip
+
+
+def gradients(learner: Learner) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in learner.params if p.grad is not None])
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
+def test_micro_batches_accumulate_the_minibatch_gradient(learner: Learner, aggregation: str) -> None:
+    tokens, inputs = batch()
+    objective = Objective("ppo_clip", LossSettings(0.2, 0.2), aggregation, T, kl_coef=0.1, entropy=True,  # type: ignore[arg-type]
+                          entropy_coef=0.01)  # fmt: skip
+    whole = learner.forward_backward(tokens, objective, inputs)
+    whole_grad = gradients(learner).clone()
+    learner.model.zero_grad(set_to_none=True)
+
+    def micro(part: slice, last: bool) -> dict[str, torch.Tensor]:
+        return learner.forward_backward(tokens.rows(part), objective, rows(inputs, part), last)
+
+    parts = accumulate(N, 4, ("pg", "kl", "ent", "clip", "akl"), micro, learner.ranks, torch.device("cpu"))
+    assert [s for s, _ in micro_batches(N, 4)] == [slice(0, 4), slice(4, 8)]
+    torch.testing.assert_close(gradients(learner), whole_grad, rtol=1e-5, atol=1e-7)
+    for key, value in parts.items():
+        assert value == pytest.approx(whole[key].item(), rel=1e-5, abs=1e-7)
+
+
+def test_the_objective_is_the_clipped_loss_plus_the_kl_less_the_entropy(learner: Learner) -> None:
+    tokens, inputs = batch()
+    assert inputs.ref_logprobs is not None
+    objective = Objective("ppo_clip", LossSettings(0.2, 0.2), kl_coef=0.1, kl_estimator="k3", entropy=True)
+    stats = learner.forward_backward(tokens, objective, inputs, grad=False)
+    with torch.no_grad():
+        logprobs, entropy = token_logprobs(learner.model, tokens.query_responses, tokens.attention_mask, P,
+                                           entropy=True)  # fmt: skip
+    assert entropy is not None
+    mask, n = inputs.mask, inputs.mask.sum()
+    ratio = (logprobs - inputs.old_logprobs).exp()
+    a = inputs.advantages
+    expected_pg = (torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * mask).sum() / n
+    expected_kl = (kl_per_token(logprobs, inputs.ref_logprobs, "k3") * mask).sum() / n
+    assert stats["pg"].item() == pytest.approx(expected_pg.item(), rel=1e-5)
+    assert stats["kl"].item() == pytest.approx(expected_kl.item(), rel=1e-5)
+    assert stats["ent"].item() == pytest.approx(((entropy * mask).sum() / n).item(), rel=1e-5)
+    assert stats["akl"].item() == pytest.approx(((0.5 * (logprobs - inputs.old_logprobs) ** 2 * mask).sum() / n)
+                                                .item(), rel=1e-5)  # fmt: skip
+    assert all(p.grad is None for p in learner.params)  # grad=False: measured only
+
+
+def test_optim_step_clips_every_group_together(learner: Learner) -> None:
+    for p in learner.params:
+        p.grad = torch.ones_like(p)
+    norm = math.sqrt(sum(p.numel() for p in learner.params))
+    before = [p.detach().clone() for p in learner.params]
+    assert learner.optim_step() == pytest.approx(norm, rel=1e-4)
+    assert all(p.grad is None for p in learner.params)
+    assert any(not torch.equal(b, p) for b, p in zip(before, learner.params, strict=True))
+    lr = learner.lr
+    assert learner.schedule() == lr and learner.lr != lr  # the schedule moved on after reporting the step's rate
+
+
+def test_run_updates_shuffles_each_pass_and_stops_at_the_limit(learner: Learner) -> None:
+    seen: list[tuple[list[int], int]] = []
+
+    def minibatch(inds: torch.Tensor, update: int) -> dict[str, float]:
+        seen.append((inds.tolist(), update))
+        return {"pg": 0.0, "akl": 0.5 if update == 4 else 0.0}
+
+    shuffle = torch.Generator().manual_seed(0)
+    stats, stopped = run_updates(learner, 6, 2, 2, shuffle, minibatch, ("pg",), 1)
+    assert not stopped and [u for _, u in seen] == list(range(6)) and len(stats["gn"]) == 6
+    assert sorted(i for inds, _ in seen[:3] for i in inds) == list(range(6))  # each pass sees every row once
+    seen.clear()
+    stats, stopped = run_updates(learner, 6, 2, 2, shuffle, minibatch, ("pg",), 1, limit=("akl", 0.1))
+    assert stopped and [u for _, u in seen] == [0, 1, 2, 3, 4] and len(stats["akl"]) == 5
+
+
+def test_run_updates_refuses_a_non_finite_loss(learner: Learner) -> None:
+    from engine.loop import NonFiniteLossError
+
+    with pytest.raises(NonFiniteLossError):
+        run_updates(learner, 2, 2, 1, torch.Generator(), lambda inds, u: {"pg": math.nan}, ("pg",), 3)
