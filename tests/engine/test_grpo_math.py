@@ -1,4 +1,5 @@
-"""engine.grpo (and the k2 KL estimator) against naive per-sample, per-token loops of the papers' formulas."""
+"""engine.grpo (and the k2 KL estimator) against naive per-sample, per-token loops of the papers' formulas, and the
+KL estimators' gradients as a reward and as a loss term, which decide where each is accepted (engine/config.py)."""
 
 import math
 import statistics
@@ -47,6 +48,41 @@ def test_kl_k2():
     for i in range(len(LENGTHS)):
         for t in range(T):
             assert out[i, t].item() == pytest.approx(0.5 * (logp[i, t].item() - ref[i, t].item()) ** 2, rel=1e-12)
+
+
+def _kl_gradients(estimator: str, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact expectations over one token of a 64-word vocabulary, the policy's logits θ = ref + eps·z: the gradient
+    in θ of KL(π || π_ref), of the estimator as a reward (E_π[k·∇log π], k held fixed: what a policy gradient of the
+    penalty follows) and as a loss term on π's own samples (E_π[∇k])."""
+    g = torch.Generator().manual_seed(9)
+    ref_logits, z = torch.randn(64, generator=g, dtype=torch.float64), torch.randn(64, generator=g, dtype=torch.float64)
+    ref = torch.log_softmax(ref_logits, 0)
+    theta = (ref_logits + eps * z).requires_grad_(True)
+    logp = torch.log_softmax(theta, 0)  # (V,)
+    p = logp.exp().detach()
+    k = kl_per_token(logp, ref, estimator)  # type: ignore[arg-type]
+    (true,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta, retain_graph=True)
+    (as_reward,) = torch.autograd.grad((p * k.detach() * logp).sum(), theta, retain_graph=True)
+    (as_loss,) = torch.autograd.grad((p * k).sum(), theta)
+    return true, as_reward, as_loss
+
+
+@pytest.mark.parametrize("eps", [0.1, 0.01])
+def test_only_k1_pulls_with_the_kls_gradient_from_the_reward(eps: float) -> None:
+    true, k1, _ = _kl_gradients("k1", eps)
+    torch.testing.assert_close(k1, true, rtol=1e-9, atol=1e-15)  # E_π[k1·∇log π] = ∇KL
+    for estimator in ("k2", "k3"):  # ≈ ½ k1²: the first order cancels, a pull ~1/eps times too weak
+        _, as_reward, _ = _kl_gradients(estimator, eps)
+        assert as_reward.norm() < true.norm() * eps, estimator
+
+
+def test_k1_as_a_loss_term_has_no_expected_gradient_and_k2_k3_pull_towards_the_reference() -> None:
+    true, _, k1 = _kl_gradients("k1", 0.1)
+    assert k1.abs().max().item() < 1e-15  # E_π[∇log π] = 0
+    _, _, k2 = _kl_gradients("k2", 0.1)
+    torch.testing.assert_close(k2, true, rtol=1e-9, atol=1e-15)  # E_π[k1·∇log π]
+    _, _, k3 = _kl_gradients("k3", 0.1)  # ∇KL(π_ref || π): the same direction to first order
+    assert torch.nn.functional.cosine_similarity(k3, true, dim=0).item() > 0.9
 
 
 def test_grpo_advantage_is_the_group_normalised_score():
