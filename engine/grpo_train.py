@@ -102,7 +102,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         metrics = reward_metrics(scored)
         metrics.update({
             "objective/kl": kl.sum(1).mean().item(),
-            "groups/tied_fraction": tied_groups(ro.scores, G).item(),
+            "groups/tied_fraction": tied_groups(ro.scores, G, cfg.advantage_estimator).item(),
             "loss/policy": mean(stats["pg"]),
             "loss/kl": mean(stats["kl"]),
             "policy/clipfrac": mean(stats["clip"]),

@@ -112,12 +112,56 @@ def test_rloo_needs_two_samples_per_prompt():
         sequence_advantages(_scores(), 1, "rloo")
 
 
-def test_a_tied_group_has_zero_advantage_and_is_counted():
-    scores = torch.tensor([0.5, 0.5, 0.5, 0.5, 1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
-    for estimator in ("grpo", "dr_grpo", "rloo"):
-        assert sequence_advantages(scores, G, estimator)[:G].abs().max().item() == 0.0  # type: ignore[arg-type]
-    assert tied_groups(scores, G).item() == 0.5
-    assert tied_groups(_scores(), G).item() == 0.0
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
+
+def _naive_tied_fraction(scores: list[float], group_size: int, estimator: str) -> float:
+    """The share of samples whose score ties with every score of its baseline: its group's (the batch's for
+    reinforce_pp)."""
+    untrained = 0
+    for i, r in enumerate(scores):
+        start = 0 if estimator == "reinforce_pp" else i // group_size * group_size
+        end = len(scores) if estimator == "reinforce_pp" else start + group_size
+        untrained += all(scores[j] == r for j in range(start, end))
+    return untrained / len(scores)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize(
+    ("scores", "group_size"),
+    [
+        ([0.5, 0.5, 0.5, 0.5, 1.0, 0.0, 0.0, 0.0], 4),  # one of two groups tied
+        ([0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], 4),  # the whole batch tied
+        (SCORES, 4),  # none tied
+        ([0.5, 0.5, 1.0, 0.0, 0.0, 0.0], 2),  # two of three pairs tied
+        ([1.0, 0.0, 0.0, 1.0], 1),  # one sample a prompt
+        ([0.3, 0.3, 0.3], 1),
+    ],
+)
+def test_tied_fraction_is_the_share_of_samples_without_signal(
+    scores: list[float], group_size: int, estimator: str
+) -> None:
+    out = tied_groups(torch.tensor(scores, dtype=torch.float64), group_size, estimator)  # type: ignore[arg-type]
+    assert out.item() == pytest.approx(_naive_tied_fraction(scores, group_size, estimator), rel=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("first_group_only", [True, False])
+def test_the_samples_counted_tied_carry_no_signal(estimator: str, first_group_only: bool) -> None:
+    """What the share counts: samples whose shared score can move without moving any advantage of the batch."""
+    scores = [0.5] * G + ([1.0, 0.0, 0.0, 0.0] if first_group_only else [0.5] * G)
+    moved = [0.75] * G + scores[G:] if first_group_only else [0.75] * (2 * G)  # the tied samples, still tied
+    before, after = (torch.tensor(x, dtype=torch.float64) for x in (scores, moved))
+    mask = _mask()
+    same = torch.equal(
+        token_advantages(before, mask, G, estimator),  # type: ignore[arg-type]
+        token_advantages(after, mask, G, estimator),  # type: ignore[arg-type]
+    )
+    fraction = tied_groups(before, G, estimator).item()  # type: ignore[arg-type]
+    if first_group_only and estimator == "reinforce_pp":  # the group is compared with the batch's mean
+        assert not same and fraction == 0.0
+    else:
+        assert same and fraction == (0.5 if first_group_only else 1.0)
 
 
 def test_kl_to_go_sums_the_penalty_from_each_token_on():
