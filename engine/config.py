@@ -32,6 +32,14 @@ Aggregation = Literal["token_mean", "sequence_mean", "constant"]
 """GRPOConfig's loss aggregations (engine/grpo.py)."""
 WHITENED: tuple[Estimator, ...] = ("reinforce_pp", "reinforce_pp_baseline")
 """The estimators whose advantages are whitened over the batch's tokens."""
+KLEstimator = Literal["k1", "k2", "k3"]
+"""Per-token estimators of KL(π || π_ref) (engine/ppo.py ``kl_per_token``, http://joschu.net/blog/kl-approx.html)."""
+K1_LOSS_TERM_WARNING = (
+    "kl_estimator k1 as a loss term does not pull the policy towards the reference: on-policy the gradient of "
+    "β·(log π - log π_ref) is β·∇log π, whose expectation under π is 0 (it only adds noise); use k3 (the default) or "
+    "k2 as a loss term, or k1 in the reward (kl_in_reward true)"
+)
+"""The ``warning`` event of a GRPO job whose KL is a loss term estimated by k1 (data ``{"reason": "k1_loss_term"}``)."""
 
 
 def _clean_text(value: str) -> str:
@@ -287,8 +295,10 @@ class PPOConfig(TrainConfig):
     """Clip (normalised) scores to [-score_clip, score_clip]."""
     kl_coef: Annotated[float, Field(ge=0, le=100)] = 0.05
     """Initial coefficient β of the per-token KL penalty."""
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    """Per-token KL estimator (http://joschu.net/blog/kl-approx.html): k1 = logp - ref, k3 = e^-k1 - 1 + k1."""
+    kl_estimator: KLEstimator = "k1"
+    """Per-token KL estimator of the reward's penalty: k1 = log π - log π_ref, the only one accepted. PPO's KL is
+    part of its reward, where k1's policy gradient is the KL's own; that of k2 = ½ k1² and k3 = e^-k1 - 1 + k1
+    cancels to first order near the reference (http://joschu.net/blog/kl-approx.html), so they are refused."""
     adaptive_kl: bool = False
     """Adapt β towards ``kl_target`` (Ziegler et al. 2019) instead of keeping it fixed."""
     kl_target: Annotated[float, Field(gt=0, le=1000)] = 6.0
@@ -349,6 +359,13 @@ class PPOConfig(TrainConfig):
     @property
     def num_mini_batches(self) -> int:
         return self.batch_size // self.mini_batch_size
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _k1_in_the_reward(cls, value: KLEstimator) -> KLEstimator:
+        if value != "k1":
+            raise ValueError(f"{value}: PPO's KL is part of its reward; {_kl_in_reward_reason(value)} (the default)")
+        return value
 
     @model_validator(mode="after")
     def _divides(self) -> "PPOConfig":
@@ -434,9 +451,11 @@ class GRPOConfig(TrainConfig):
     starts; None: never truncate."""
     kl_coef: Annotated[float, Field(ge=0, le=100)] = 0.04
     """β of the KL to the reference (the starting policy); 0: no reference is loaded at all."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator (http://joschu.net/blog/kl-approx.html): k1 = log π - log π_ref, k2 = ½ k1²,
-    k3 = e^-k1 - 1 + k1 (GRPO's)."""
+    kl_estimator: KLEstimator | None = None
+    """Per-token estimator of the KL as a loss term (http://joschu.net/blog/kl-approx.html): k1 = log π - log π_ref,
+    k2 = ½ k1², k3 = e^-k1 - 1 + k1. None: k3 (GRPO's) as a loss term, and k1 in the reward, the only one accepted
+    there (k1's policy gradient is the KL's own; that of k2 and k3 cancels to first order near the reference).
+    k1 as a loss term has zero expected gradient on-policy: accepted, with a ``warning`` event when the job starts."""
     kl_in_reward: bool | None = None
     """Where the KL enters: as a penalty in the reward (its return added to the advantage), or as a loss term
     β·KL. None: in the reward for the ``reinforce_pp`` estimators, as a loss term for the others."""
@@ -483,6 +502,17 @@ class GRPOConfig(TrainConfig):
         return self.advantage_estimator in WHITENED if self.kl_in_reward is None else self.kl_in_reward
 
     @property
+    def kl_term_estimator(self) -> KLEstimator:
+        """The estimator of the step's KL term (and of ``objective/kl``): k1 in the reward, ``kl_estimator`` (None:
+        k3) as a loss term."""
+        return "k1" if self.kl_as_reward else self.kl_estimator or "k3"
+
+    @property
+    def k1_loss_term(self) -> bool:
+        """Whether the KL is a loss term estimated by k1 (:data:`K1_LOSS_TERM_WARNING`: no pull on-policy)."""
+        return self.kl_coef > 0 and not self.kl_as_reward and self.kl_estimator == "k1"
+
+    @property
     def aggregation(self) -> Aggregation:
         if self.loss_aggregation is not None:
             return self.loss_aggregation
@@ -500,6 +530,12 @@ class GRPOConfig(TrainConfig):
             raise ValueError(
                 f"advantage_estimator {self.advantage_estimator} compares the samples of a prompt: group_size must "
                 "be at least 2 (reinforce_pp alone takes 1)"
+            )
+        if self.kl_as_reward and self.kl_estimator in ("k2", "k3"):
+            raise ValueError(
+                f"kl_estimator {self.kl_estimator} with the KL in the reward (kl_in_reward, the default of the "
+                f"reinforce_pp estimators): {_kl_in_reward_reason(self.kl_estimator)}, and the one used when "
+                "kl_estimator is left out; to use k3, put the KL in the loss with kl_in_reward false"
             )
         return self
 
@@ -902,6 +938,15 @@ def _check_micro_batch(name: str, micro_batch_size: int) -> None:
             f"{name} / gradient_accumulation_steps is {micro_batch_size} sequences in one forward and backward pass, "
             f"at most {MAX_MICRO_BATCH}: raise gradient_accumulation_steps"
         )
+
+
+def _kl_in_reward_reason(estimator: KLEstimator) -> str:
+    """Why a KL that is part of the reward must be estimated by k1, for the refusal of ``estimator``."""
+    return (
+        f"there the policy gradient of {estimator} cancels to first order near the reference (k2 and k3 are "
+        "½ k1² to second order, so E_π[k·∇log π] is second order in log π - log π_ref): a pull many times too weak; "
+        "k1 is the unbiased choice there, its policy gradient being the KL's own"
+    )
 
 
 def _check_divides(name: str, value: int, by_name: str, by: int) -> None:

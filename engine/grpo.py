@@ -71,9 +71,22 @@ def token_advantages(
     return advantages * mask
 
 
-def tied_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Share of groups whose samples all scored the same (their group-relative advantages are 0: no signal)."""
-    g = groups(scores, group_size)
+def tied_groups(scores: torch.Tensor, group_size: int, estimator: Estimator) -> torch.Tensor:
+    """Share of the batch's samples whose score (N,) carries no learning signal: it ties with every score its
+    baseline is taken from, so its advantage holds no score term (0 for the group estimators, bar a KL in the
+    reward; after the REINFORCE++ whitening, only the batch's common shift and the KL's return).
+
+    - group baselines (``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp_baseline``: the group mean subtracted): the
+      samples of groups whose scores all tie, r - mean being 0 on each (at ``group_size`` 1, every sample);
+    - ``reinforce_pp`` (no group baseline, whitened over the batch): the whole batch when all its scores tie
+      (whitening a constant leaves 0), else none: a tied group still differs from the batch's mean.
+
+    Ties are of the scores themselves, not of advantages that round to 0. Groups are of one size, so the share of
+    tied groups is the share of samples.
+    """
+    if estimator == "reinforce_pp":
+        group_size = scores.shape[0]  # its one baseline is the batch's
+    g = groups(scores, group_size)  # (n, G)
     return (g.max(1).values == g.min(1).values).float().mean()
 
 

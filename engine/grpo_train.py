@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
-from engine.config import GRPOConfig, JobSpec
+from engine.config import K1_LOSS_TERM_WARNING, GRPOConfig, JobSpec
 from engine.data import batch_indices
 from engine.distributed import Ranks
 from engine.graders import RewardScores, reward_metrics
@@ -55,13 +55,15 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
     # Models: the trained policy, its frozen reference (none when kl_coef is 0). Rewards: the graders, their
     # reward models loaded once.
     learner, cfg = open_policy(run, cfg, device, [*rows, *eval_rows], cfg.kl_coef > 0, cfg.batch_size * G)
+    if cfg.k1_loss_term:  # accepted, but it does not pull towards the reference
+        callbacks.on_event("warning", K1_LOSS_TERM_WARNING, {"reason": "k1_loss_term"})
     reward = RewardFunction(spec.reward_grader, tokenizer, device, cfg.dtype, callbacks.should_stop)
     eval_reward = RewardFunction.of(spec.eval_reward, tokenizer, device, cfg.dtype, callbacks.should_stop) or reward
     stop_token_ids = learner.sampling.stop_token_ids
     scorer, eval_scorer = (grader_scorer(r, tokenizer, stop_token_ids) for r in (reward, eval_reward))
     kl_loss_coef = cfg.kl_coef if cfg.kl_coef > 0 and not cfg.kl_as_reward else 0.0
     objective = Objective("ppo_clip", LossSettings(cfg.cliprange_low, cfg.cliprange_high), cfg.aggregation,
-                          cfg.response_length, kl_loss_coef, cfg.kl_estimator)  # fmt: skip
+                          cfg.response_length, kl_loss_coef, cfg.kl_term_estimator)  # fmt: skip
 
     start = learner.start_training(run, cfg, cfg.total_steps)
     if start.finished:
@@ -83,7 +85,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
 
         # 2. advantages from each group's scores; the KL to the reference in the reward or as a loss term
         mask = ro.mask.float()  # (N, T)
-        kl = kl_per_token(ro.logprobs, ro.ref_logprobs, cfg.kl_estimator) * mask  # (N, T)
+        kl = kl_per_token(ro.logprobs, ro.ref_logprobs, cfg.kl_term_estimator) * mask  # (N, T)
         in_reward = cfg.kl_coef > 0 and cfg.kl_as_reward
         advantages = token_advantages(ro.scores, mask, G, cfg.advantage_estimator,
                                       kl=kl if in_reward else None, kl_coef=cfg.kl_coef)  # fmt: skip
@@ -100,7 +102,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         metrics = reward_metrics(scored)
         metrics.update({
             "objective/kl": kl.sum(1).mean().item(),
-            "groups/tied_fraction": tied_groups(ro.scores, G).item(),
+            "groups/tied_fraction": tied_groups(ro.scores, G, cfg.advantage_estimator).item(),
             "loss/policy": mean(stats["pg"]),
             "loss/kl": mean(stats["kl"]),
             "policy/clipfrac": mean(stats["clip"]),

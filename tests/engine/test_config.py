@@ -5,8 +5,10 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from engine.builtin import digits
 from engine.config import (
     HYPERPARAMETERS,
+    GRPOConfig,
     JobSpec,
     LoraSpec,
     PPOConfig,
@@ -213,6 +215,61 @@ def test_ptx_coef_without_ptx_dataset():
 def test_ptx_dataset_must_be_sft_kind():
     message = _error(PPOConfig, {"ptx_coef": 0.5, "ptx_dataset": "builtin:reviews-prefs"})
     assert "reviews-prefs" in message
+
+
+# --- the KL estimator: k1 wherever the KL is part of the reward --------------------------------
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
+def test_ppo_refuses_k2_and_k3_in_its_reward_saying_why(estimator: str) -> None:
+    message = _error(PPOConfig, {"kl_estimator": estimator})
+    assert message.startswith(f"kl_estimator: {estimator}: PPO's KL is part of its reward"), message
+    assert "cancels to first order" in message and "k1 is the unbiased choice" in message
+    assert PPOConfig(kl_estimator="k1").kl_estimator == PPOConfig().kl_estimator == "k1"
+
+
+@pytest.mark.parametrize(
+    ("options", "in_reward", "used"),
+    [
+        ({}, False, "k3"),  # GRPO's: k3 as a loss term
+        ({"kl_estimator": "k2"}, False, "k2"),
+        ({"advantage_estimator": "rloo", "kl_estimator": "k1"}, False, "k1"),  # accepted; the job warns
+        ({"advantage_estimator": "reinforce_pp"}, True, "k1"),  # REINFORCE++: k1 in the reward
+        ({"advantage_estimator": "reinforce_pp_baseline", "kl_estimator": "k1"}, True, "k1"),
+        ({"advantage_estimator": "reinforce_pp", "kl_in_reward": False}, False, "k3"),
+        ({"advantage_estimator": "reinforce_pp", "kl_in_reward": False, "kl_estimator": "k2"}, False, "k2"),
+        ({"kl_in_reward": True}, True, "k1"),
+    ],
+)
+def test_grpo_kl_term_estimator(options: dict[str, Any], in_reward: bool, used: str) -> None:
+    config = GRPOConfig(**options)
+    assert (config.kl_as_reward, config.kl_term_estimator) == (in_reward, used)
+    assert config.k1_loss_term == (used == "k1" and not in_reward)
+    assert not GRPOConfig(**options, kl_coef=0.0).k1_loss_term  # no KL at all: nothing to warn about
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"advantage_estimator": "reinforce_pp", "kl_estimator": "k3"},
+        {"advantage_estimator": "reinforce_pp_baseline", "kl_estimator": "k2"},
+        {"advantage_estimator": "grpo", "kl_in_reward": True, "kl_estimator": "k3"},
+    ],
+)
+def test_grpo_refuses_k2_and_k3_given_for_a_kl_in_the_reward(options: dict[str, Any]) -> None:
+    message = _error(GRPOConfig, options)
+    assert message.startswith(f"spec: kl_estimator {options['kl_estimator']} with the KL in the reward"), message
+    assert "cancels to first order" in message and "kl_in_reward false" in message
+
+
+def test_a_stored_grpo_spec_validates_again() -> None:
+    """The server stores a spec with every default filled in: the KL estimator left out stays left out."""
+    data = {"type": "grpo", "model": "builtin:tiny", "dataset": "builtin:digits-prompts", "reward": digits.GRADER,
+            "hyperparameters": {"advantage_estimator": "reinforce_pp"}}  # fmt: skip
+    stored = JobSpec.model_validate(data).model_dump(mode="json")
+    assert stored["hyperparameters"]["kl_estimator"] is None
+    again = JobSpec.model_validate(stored).config
+    assert isinstance(again, GRPOConfig) and again.kl_term_estimator == "k1"
 
 
 # --- filled-in defaults and the typed config --------------------------------------------------

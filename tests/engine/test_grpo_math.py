@@ -1,4 +1,5 @@
-"""engine.grpo (and the k2 KL estimator) against naive per-sample, per-token loops of the papers' formulas."""
+"""engine.grpo (and the k2 KL estimator) against naive per-sample, per-token loops of the papers' formulas, and the
+KL estimators' gradients as a reward and as a loss term, which decide where each is accepted (engine/config.py)."""
 
 import math
 import statistics
@@ -49,6 +50,41 @@ def test_kl_k2():
             assert out[i, t].item() == pytest.approx(0.5 * (logp[i, t].item() - ref[i, t].item()) ** 2, rel=1e-12)
 
 
+def _kl_gradients(estimator: str, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact expectations over one token of a 64-word vocabulary, the policy's logits θ = ref + eps·z: the gradient
+    in θ of KL(π || π_ref), of the estimator as a reward (E_π[k·∇log π], k held fixed: what a policy gradient of the
+    penalty follows) and as a loss term on π's own samples (E_π[∇k])."""
+    g = torch.Generator().manual_seed(9)
+    ref_logits, z = torch.randn(64, generator=g, dtype=torch.float64), torch.randn(64, generator=g, dtype=torch.float64)
+    ref = torch.log_softmax(ref_logits, 0)
+    theta = (ref_logits + eps * z).requires_grad_(True)
+    logp = torch.log_softmax(theta, 0)  # (V,)
+    p = logp.exp().detach()
+    k = kl_per_token(logp, ref, estimator)  # type: ignore[arg-type]
+    (true,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta, retain_graph=True)
+    (as_reward,) = torch.autograd.grad((p * k.detach() * logp).sum(), theta, retain_graph=True)
+    (as_loss,) = torch.autograd.grad((p * k).sum(), theta)
+    return true, as_reward, as_loss
+
+
+@pytest.mark.parametrize("eps", [0.1, 0.01])
+def test_only_k1_pulls_with_the_kls_gradient_from_the_reward(eps: float) -> None:
+    true, k1, _ = _kl_gradients("k1", eps)
+    torch.testing.assert_close(k1, true, rtol=1e-9, atol=1e-15)  # E_π[k1·∇log π] = ∇KL
+    for estimator in ("k2", "k3"):  # ≈ ½ k1²: the first order cancels, a pull ~1/eps times too weak
+        _, as_reward, _ = _kl_gradients(estimator, eps)
+        assert as_reward.norm() < true.norm() * eps, estimator
+
+
+def test_k1_as_a_loss_term_has_no_expected_gradient_and_k2_k3_pull_towards_the_reference() -> None:
+    true, _, k1 = _kl_gradients("k1", 0.1)
+    assert k1.abs().max().item() < 1e-15  # E_π[∇log π] = 0
+    _, _, k2 = _kl_gradients("k2", 0.1)
+    torch.testing.assert_close(k2, true, rtol=1e-9, atol=1e-15)  # E_π[k1·∇log π]
+    _, _, k3 = _kl_gradients("k3", 0.1)  # ∇KL(π_ref || π): the same direction to first order
+    assert torch.nn.functional.cosine_similarity(k3, true, dim=0).item() > 0.9
+
+
 def test_grpo_advantage_is_the_group_normalised_score():
     out = sequence_advantages(_scores(), G, "grpo")
     for i, r in enumerate(SCORES):
@@ -76,12 +112,56 @@ def test_rloo_needs_two_samples_per_prompt():
         sequence_advantages(_scores(), 1, "rloo")
 
 
-def test_a_tied_group_has_zero_advantage_and_is_counted():
-    scores = torch.tensor([0.5, 0.5, 0.5, 0.5, 1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
-    for estimator in ("grpo", "dr_grpo", "rloo"):
-        assert sequence_advantages(scores, G, estimator)[:G].abs().max().item() == 0.0  # type: ignore[arg-type]
-    assert tied_groups(scores, G).item() == 0.5
-    assert tied_groups(_scores(), G).item() == 0.0
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
+
+def _naive_tied_fraction(scores: list[float], group_size: int, estimator: str) -> float:
+    """The share of samples whose score ties with every score of its baseline: its group's (the batch's for
+    reinforce_pp)."""
+    untrained = 0
+    for i, r in enumerate(scores):
+        start = 0 if estimator == "reinforce_pp" else i // group_size * group_size
+        end = len(scores) if estimator == "reinforce_pp" else start + group_size
+        untrained += all(scores[j] == r for j in range(start, end))
+    return untrained / len(scores)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize(
+    ("scores", "group_size"),
+    [
+        ([0.5, 0.5, 0.5, 0.5, 1.0, 0.0, 0.0, 0.0], 4),  # one of two groups tied
+        ([0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], 4),  # the whole batch tied
+        (SCORES, 4),  # none tied
+        ([0.5, 0.5, 1.0, 0.0, 0.0, 0.0], 2),  # two of three pairs tied
+        ([1.0, 0.0, 0.0, 1.0], 1),  # one sample a prompt
+        ([0.3, 0.3, 0.3], 1),
+    ],
+)
+def test_tied_fraction_is_the_share_of_samples_without_signal(
+    scores: list[float], group_size: int, estimator: str
+) -> None:
+    out = tied_groups(torch.tensor(scores, dtype=torch.float64), group_size, estimator)  # type: ignore[arg-type]
+    assert out.item() == pytest.approx(_naive_tied_fraction(scores, group_size, estimator), rel=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("first_group_only", [True, False])
+def test_the_samples_counted_tied_carry_no_signal(estimator: str, first_group_only: bool) -> None:
+    """What the share counts: samples whose shared score can move without moving any advantage of the batch."""
+    scores = [0.5] * G + ([1.0, 0.0, 0.0, 0.0] if first_group_only else [0.5] * G)
+    moved = [0.75] * G + scores[G:] if first_group_only else [0.75] * (2 * G)  # the tied samples, still tied
+    before, after = (torch.tensor(x, dtype=torch.float64) for x in (scores, moved))
+    mask = _mask()
+    same = torch.equal(
+        token_advantages(before, mask, G, estimator),  # type: ignore[arg-type]
+        token_advantages(after, mask, G, estimator),  # type: ignore[arg-type]
+    )
+    fraction = tied_groups(before, G, estimator).item()  # type: ignore[arg-type]
+    if first_group_only and estimator == "reinforce_pp":  # the group is compared with the batch's mean
+        assert not same and fraction == 0.0
+    else:
+        assert same and fraction == (0.5 if first_group_only else 1.0)
 
 
 def test_kl_to_go_sums_the_penalty_from_each_token_on():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.builtin import digits
-from engine.config import JobSpec
+from engine.config import K1_LOSS_TERM_WARNING, JobSpec
 from engine.data import encode_prompts, load_rows
 from engine.demo import TASKS, evaluate_policy
 from engine.generate import sample
@@ -200,6 +200,28 @@ def test_every_estimator_trains(digits_sft: Path, tmp_path, estimator: str, opti
     assert rec.metrics[2]["objective/kl"] > 0  # the first update moved the policy
     if options.get("num_iterations") == 2:  # the second pass is off-policy: ratios leave 1
         assert rec.metrics[2]["policy/approxkl"] > 0
+
+
+def test_the_kl_in_the_reward_is_k1(digits_sft: Path, tmp_path) -> None:
+    """reinforce_pp puts the KL in the reward, estimated by k1 (its policy gradient is the KL's): ``objective/kl``
+    is then the mean summed log-ratio of the samples, as each logged sample's ``kl`` is (all 32 logged here)."""
+    hyperparameters = {"advantage_estimator": "reinforce_pp", "log_samples": 32, "log_samples_every": 1}
+    result, rec = train(grpo_spec(digits_sft, hyperparameters=hyperparameters), tmp_path / "job")
+    assert result.status == "succeeded"
+    kls = [sample["kl"] for sample in rec.samples[2]]
+    assert len(kls) == 32 and any(abs(kl) > 1e-4 for kl in kls)  # the first update moved the policy
+    assert rec.metrics[2]["objective/kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-5, abs=1e-7)
+    assert rec.metrics[2]["loss/kl"] == 0.0  # no loss term
+    assert not any(data and data.get("reason") == "k1_loss_term" for _, _, data in rec.events)
+
+
+def test_k1_as_a_loss_term_warns_when_the_job_starts(tmp_path) -> None:
+    hyperparameters = {"total_steps": 1, "kl_in_reward": False, "kl_estimator": "k1"}
+    result, rec = train(grpo_spec("builtin:tiny", hyperparameters=hyperparameters), tmp_path / "job")
+    assert result.status == "succeeded"
+    warned = [(message, data) for kind, message, data in rec.events if kind == "warning"]
+    assert (K1_LOSS_TERM_WARNING, {"reason": "k1_loss_term"}) in warned
+    assert "expectation under π is 0" in K1_LOSS_TERM_WARNING and "use k3" in K1_LOSS_TERM_WARNING
 
 
 def test_without_kl_no_reference_is_used(digits_sft: Path, tmp_path) -> None:

@@ -151,7 +151,6 @@ DIVERGING_PPO = {
         "adaptive_kl": True,
         "kl_target": 1e-6,
         "kl_horizon": 1,
-        "kl_estimator": "k3",
     },
     "checkpoint_every": CHECKPOINT_EVERY,
     "keep_checkpoints": 2,
