@@ -406,7 +406,7 @@ def folded_adapters(model: torch.nn.Module, rounded: bool = False) -> Iterator[N
     arithmetic, at the cost of the adapters' own small kernels (two matmuls and their casts): folded into a
     half-precision weight they would be rounded (:data:`FOLDED_DTYPES`). ``rounded``: fold those too, rounded, for
     sampling at the full model's speed whose log-probs are then taken again unfused
-    (:func:`engine.rollout.sample_responses`).
+    (:meth:`engine.learner.Learner.sample`).
 
     The base weights are copied before folding and copied back after, never subtracted again, so folding any
     number of times leaves them bit-identical. A model without adapters is left as it is. An adapted parameter
