@@ -16,6 +16,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -23,6 +24,7 @@ from pydantic.fields import FieldInfo
 
 from engine.builtin import DATASETS, TINY_MODEL, digits
 from engine.graders import Grader, ModelGrader
+from engine.policy_losses import DUAL_CLIP_LOSSES, POLICY_LOSSES, LossSettings
 from engine.rows import DatasetKind, dataset_kind
 
 Scheduler = Literal["constant", "linear", "cosine"]
@@ -55,6 +57,26 @@ Text = Annotated[str, AfterValidator(_clean_text)]
 """A free-form string of a spec (a label, a metadata entry)."""
 StopToken = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_clean_text)]
 """PPO's and GRPO's ``stop_token``: ``"eos"`` or one token of the model's vocabulary (checked when the job starts)."""
+
+
+def _known_policy_loss(value: str) -> str:
+    if value not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {value[:40]!r}; known: {', '.join(POLICY_LOSSES)}")
+    return value
+
+
+PolicyLossName = Annotated[
+    str, AfterValidator(_known_policy_loss), WithJsonSchema({"type": "string", "enum": list(POLICY_LOSSES)})
+]
+"""PPO's and GRPO's ``policy_loss``: a name of :data:`engine.policy_losses.POLICY_LOSSES`."""
+DualClip = Annotated[float, Field(gt=1, le=1000)]
+"""PPO's and GRPO's ``dual_clip``: the cap c > 1 of a negative advantage's loss, -c·A."""
+
+
+def _check_dual_clip(policy_loss: str, dual_clip: float | None) -> None:
+    if dual_clip is not None and policy_loss not in DUAL_CLIP_LOSSES:
+        raise ValueError(f"dual_clip applies to policy_loss {' and '.join(DUAL_CLIP_LOSSES)} only, not {policy_loss}")
+
 
 LORA_MAX_MODULES = 64
 _MODULE_NAME = re.compile(r"^[A-Za-z0-9_.]{1,200}$")
@@ -313,6 +335,17 @@ class PPOConfig(TrainConfig):
     """Whiten advantages over the valid tokens of the rollout batch."""
     cliprange: Annotated[float, Field(gt=0, le=10)] = 0.2
     """Policy ratio clip ε."""
+    policy_loss: PolicyLossName = "ppo_clip"
+    """The policy's loss on each token (engine/policy_losses.py): ``ppo_clip``, PPO's clipped surrogate, the
+    ratio π/π_old kept in 1 ± ``cliprange``; ``importance_sampling``, REINFORCE weighted by the unclipped ratio
+    (Tinker's); ``cispo``, the ratio clipped to 1 ± ``cliprange`` as a detached weight of every token's log-prob
+    gradient, so no token's gradient is dropped (MiniMax-M1, arXiv:2506.13585); ``gspo``, one ratio per response,
+    the geometric mean of its tokens' (Qwen, arXiv:2507.18071), clipped: for long responses and mixture-of-experts
+    models, whose token ratios are noisy; it wants a far smaller ``cliprange`` (the paper's 3e-4 / 4e-4)."""
+    dual_clip: DualClip | None = None
+    """Dual-clip PPO (Ye et al., arXiv:1912.09729): the loss of a token with a negative advantage is capped at
+    ``dual_clip`` × |A|, so a ratio far above 1 (a token much likelier now than when it was sampled) cannot make
+    the loss unbounded; verl's default is 3. ``ppo_clip`` and ``gspo`` only. None: no cap."""
     cliprange_value: Annotated[float, Field(gt=0, le=1e6)] = 0.2
     """Value clip ε_v around the rollout's values."""
     vf_coef: Annotated[float, Field(ge=0, le=100)] = 0.1
@@ -360,6 +393,11 @@ class PPOConfig(TrainConfig):
     def num_mini_batches(self) -> int:
         return self.batch_size // self.mini_batch_size
 
+    @property
+    def loss_settings(self) -> LossSettings:
+        """The settings of ``policy_loss``: the ratio clipped to 1 ± ``cliprange``."""
+        return LossSettings(clip_low=self.cliprange, clip_high=self.cliprange, dual_clip=self.dual_clip)
+
     @field_validator("kl_estimator")
     @classmethod
     def _k1_in_the_reward(cls, value: KLEstimator) -> KLEstimator:
@@ -378,6 +416,7 @@ class PPOConfig(TrainConfig):
             raise ValueError("ptx_dataset is required when ptx_coef > 0")
         if self.ptx_dataset is not None:
             _check_dataset_ref(self.ptx_dataset, "sft")
+        _check_dual_clip(self.policy_loss, self.dual_clip)
         return self
 
     @model_validator(mode="before")
@@ -464,6 +503,20 @@ class GRPOConfig(TrainConfig):
     cliprange_high: Annotated[float, Field(gt=0, le=10)] = 0.2
     """The ratio is clipped above at 1 + cliprange_high; above ``cliprange_low`` it is DAPO's clip-higher
     (arXiv:2503.14476, 0.28), which keeps rare tokens' probabilities free to grow."""
+    policy_loss: PolicyLossName = "ppo_clip"
+    """The policy's loss on each token (engine/policy_losses.py): ``ppo_clip``, PPO's clipped surrogate, the
+    ratio π/π_old kept in [1 - ``cliprange_low``, 1 + ``cliprange_high``]; ``importance_sampling``, REINFORCE
+    weighted by the unclipped ratio (Tinker's); ``cispo``, the ratio clipped to that range as a detached weight of
+    every token's log-prob gradient, so no token's gradient is dropped (MiniMax-M1, arXiv:2506.13585, which bounds
+    the weight above only: ``cliprange_low`` near 1); ``gspo``, one ratio per response, the geometric mean of its
+    tokens' (Qwen, arXiv:2507.18071), clipped: for long responses and mixture-of-experts models, whose token
+    ratios are noisy; it wants far smaller clip ranges (the paper's 3e-4 / 4e-4) and ``loss_aggregation:
+    sequence_mean``. With ``num_iterations`` 1 every ratio is 1 in an update's first minibatch, where the four
+    give REINFORCE's gradient alike."""
+    dual_clip: DualClip | None = None
+    """Dual-clip PPO (Ye et al., arXiv:1912.09729): the loss of a token with a negative advantage is capped at
+    ``dual_clip`` × |A|, so a ratio far above 1 (a token much likelier now than when it was sampled) cannot make
+    the loss unbounded; verl's default is 3. ``ppo_clip`` and ``gspo`` only. None: no cap."""
     loss_aggregation: Aggregation | None = None
     """How per-token losses become the minibatch's loss: ``token_mean`` (every token alike), ``sequence_mean``
     (each response's mean, then the mean over responses: the GRPO paper's), ``constant`` (the sum over
@@ -518,6 +571,11 @@ class GRPOConfig(TrainConfig):
             return self.loss_aggregation
         return "constant" if self.advantage_estimator == "dr_grpo" else "token_mean"
 
+    @property
+    def loss_settings(self) -> LossSettings:
+        """The settings of ``policy_loss``: the ratio clipped to [1 - ``cliprange_low``, 1 + ``cliprange_high``]."""
+        return LossSettings(clip_low=self.cliprange_low, clip_high=self.cliprange_high, dual_clip=self.dual_clip)
+
     @model_validator(mode="after")
     def _divides(self) -> "GRPOConfig":
         samples = self.batch_size * self.group_size
@@ -537,6 +595,7 @@ class GRPOConfig(TrainConfig):
                 f"reinforce_pp estimators): {_kl_in_reward_reason(self.kl_estimator)}, and the one used when "
                 "kl_estimator is left out; to use k3, put the KL in the loss with kl_in_reward false"
             )
+        _check_dual_clip(self.policy_loss, self.dual_clip)
         return self
 
 

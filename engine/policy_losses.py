@@ -1,14 +1,22 @@
-"""Policy losses, registered by name beside their formulas (``policy_loss`` of ``ppo`` and ``grpo`` jobs).
+"""Policy losses, by the ``policy_loss`` hyperparameter of ``ppo`` and ``grpo``: each registered beside its
+formula (as verl registers its own, verl/trainer/ppo/core_algos.py ``register_policy_loss``), plus the
+truncated importance-sampling correction of the sampler's mismatch.
 
-Importable without torch: engine/config.py validates names against :data:`POLICY_LOSSES`. The bodies use tensor
-methods only.
+A loss maps the (n, T) log-probs of the responses under the trained policy (with their graph), the
+log-probs they were sampled with (``old_logprobs``), the advantages and the mask (1.0 on kept tokens) to a loss
+per token, which the caller aggregates over the mask its own way (token mean, sequence mean, constant), and
+where a clip or cap was active (``policy/clipfrac``). Each is tested against a naive per-token loop of its
+paper's formula in tests/engine/test_policy_losses.py.
+
+Importable without torch: engine/config.py, which the API imports torch-free, checks ``policy_loss`` against
+:data:`POLICY_LOSSES`. So torch is imported for type checking only, and the bodies use tensor methods alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -16,32 +24,70 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LossSettings:
+    """The settings of a loss, from the job's hyperparameters."""
+
     clip_low: float
-    """The ratio is clipped below at 1 - clip_low."""
+    """The ratio is clipped below at 1 - clip_low (CISPO: the weight)."""
     clip_high: float
-    """The ratio is clipped above at 1 + clip_high."""
+    """The ratio is clipped above at 1 + clip_high (CISPO: the weight)."""
+    dual_clip: float | None = None
+    """c > 1: the loss of a token with a negative advantage is capped at -c·A (dual-clip PPO, Ye et al.,
+    arXiv:1912.09729); ``ppo_clip`` and ``gspo`` only. None: no cap."""
+    rollout_correction: float | None = None
+    """The cap of the truncated importance weights of :func:`rollout_correction`, applied by the caller that has
+    the sampler's log-probs. None: no correction."""
 
 
 @dataclass
 class PolicyLossOut:
     per_token: torch.Tensor
-    """The loss of each token (n, T), differentiable; the caller aggregates it over the mask."""
+    """The loss of each token, differentiable, not reduced: (n, T)."""
     clipped: torch.Tensor
-    """1.0 where a clip was active (n, T), for ``policy/clipfrac``."""
+    """1.0 where a clip or cap was active (the gradient of the token's ratio cut, or its weight bounded): (n, T)."""
 
 
-PolicyLoss = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor", LossSettings], PolicyLossOut]
-"""(logprobs (n, T) with the graph, old_logprobs, advantages, mask, settings) -> :class:`PolicyLossOut`."""
+class PolicyLoss(Protocol):
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        settings: LossSettings,
+    ) -> PolicyLossOut: ...
+
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
+"""The policy losses, by the name ``policy_loss`` gives."""
+DUAL_CLIP_LOSSES = ("ppo_clip", "gspo")
+"""The losses that take ``dual_clip``: the clipped surrogates."""
 
 
 def register(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Adds the decorated loss to :data:`POLICY_LOSSES` under ``name``."""
+
     def add(loss: PolicyLoss) -> PolicyLoss:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is registered already")
         POLICY_LOSSES[name] = loss
         return loss
 
     return add
+
+
+def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, settings: LossSettings) -> PolicyLossOut:
+    """max(-A·ratio, -A·clip(ratio, 1 - clip_low, 1 + clip_high)) (arXiv:1707.06347, eq. 7; DAPO's clip-higher,
+    arXiv:2503.14476, when clip_high > clip_low), with ``dual_clip`` c: min(that, -c·A) where A < 0."""
+    unclipped = -advantages * ratio  # (n, T)
+    clipped = -advantages * ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high)
+    loss = unclipped.maximum(clipped)
+    flag = (clipped > unclipped).float()
+    if settings.dual_clip is not None:
+        cap = -advantages * settings.dual_clip  # (n, T)
+        capped = (advantages < 0) & (loss > cap)
+        loss = cap.where(capped, loss)  # verl: torch.where(advantages < 0, min(loss, cap), loss)
+        flag = flag.maximum(capped.float())
+    return PolicyLossOut(loss, flag)
 
 
 @register("ppo_clip")
@@ -52,8 +98,68 @@ def ppo_clip(
     mask: torch.Tensor,
     settings: LossSettings,
 ) -> PolicyLossOut:
-    """PPO's clipped surrogate (arXiv:1707.06347, eq. 7) with the ratio kept in [1 - clip_low, 1 + clip_high]."""
-    ratio = (logprobs - old_logprobs).exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high)
-    return PolicyLossOut(unclipped.maximum(clipped), (clipped > unclipped).float())
+    """PPO's clipped surrogate on the token ratio π/π_old (arXiv:1707.06347, eq. 7), optionally dual-clipped."""
+    ratio = (logprobs - old_logprobs).exp()  # (n, T)
+    return _clipped_surrogate(ratio, advantages, settings)
+
+
+@register("importance_sampling")
+def importance_sampling(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+) -> PolicyLossOut:
+    """REINFORCE weighted by the unclipped ratio: -π/π_old·A (Tinker's ``importance_sampling`` loss). Nothing is
+    clipped: on-policy (one update per batch) it is REINFORCE exactly."""
+    ratio = (logprobs - old_logprobs).exp()  # (n, T)
+    return PolicyLossOut(-advantages * ratio, ratio.new_zeros(ratio.shape))
+
+
+@register("cispo")
+def cispo(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+) -> PolicyLossOut:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): -sg(clip(π/π_old, 1 - clip_low, 1 + clip_high))·A·log π. The
+    importance weight is clipped and detached, the gradient of log π flows on every token: none is dropped, as
+    PPO's clip drops the tokens whose ratio left the range."""
+    ratio = (logprobs - old_logprobs).exp()  # (n, T)
+    weight = ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high).detach()
+    clipped = ((ratio < 1.0 - settings.clip_low) | (ratio > 1.0 + settings.clip_high)).float()
+    return PolicyLossOut(-weight * advantages * logprobs, clipped)
+
+
+@register("gspo")
+def gspo(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+) -> PolicyLossOut:
+    """GSPO (Qwen, arXiv:2507.18071), the GSPO-token form: the sequence's ratio s_i = exp(mean over
+    its kept tokens of log π/π_old), carried by each token as s_i,t = sg(s_i)·π_t/sg(π_t), so every token of a
+    sequence has the same ratio and the gradient of s_i; then clipped as PPO's (and optionally dual-clipped). The
+    paper's clip ranges are tiny, 3e-4 below and 4e-4 above (the sequence ratio moves far less than a token's),
+    and its loss the mean over sequences (``loss_aggregation: sequence_mean``)."""
+    log_ratio = (logprobs - old_logprobs) * mask  # (n, T)
+    sequence_log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (n, 1)
+    ratio = (sequence_log_ratio.detach() + logprobs - logprobs.detach()).exp()  # (n, T)
+    return _clipped_surrogate(ratio, advantages, settings)
+
+
+def rollout_correction(
+    per_token: torch.Tensor, old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling of the sampler's mismatch (Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"; verl's ``tis_imp_ratio_cap``): each token's loss times
+    min(π_old/π_sampler, cap), detached, where π_old is the trainer's policy the batch was sampled from and
+    π_sampler what the rollout engine computed for it. Returns (the weighted loss (n, T), 1.0 where the weight
+    was capped (n, T))."""
+    weight = (old_logprobs - sampler_logprobs).exp().detach()  # (n, T)
+    return per_token * weight.clamp(max=cap), (weight > cap).float()

@@ -18,6 +18,7 @@ from engine.config import (
     TrainConfig,
     format_errors,
 )
+from engine.policy_losses import POLICY_LOSSES, LossSettings
 
 DATASETS = {"sft": "builtin:reviews-sft", "rm": "builtin:reviews-prefs", "ppo": "builtin:reviews-prompts"}
 
@@ -52,7 +53,9 @@ def test_minimal_spec_is_valid(job_type):
     assert isinstance(spec.config, HYPERPARAMETERS[job_type])
 
 
-@pytest.mark.parametrize("cls", [TrainConfig, SFTConfig, RMConfig, PPOConfig, LoraSpec, TrackingSpec, JobSpec])
+@pytest.mark.parametrize(
+    "cls", [TrainConfig, SFTConfig, RMConfig, PPOConfig, GRPOConfig, LoraSpec, TrackingSpec, JobSpec]
+)
 def test_every_field_is_documented(cls):
     assert cls.model_fields
     for name, field in cls.model_fields.items():
@@ -315,3 +318,43 @@ def test_spec_json_round_trip():
 def test_hyperparameter_defaults_are_filled_in_when_omitted() -> None:
     spec = JobSpec.model_validate({"type": "sft", "model": "builtin:tiny", "dataset": "builtin:reviews-sft"})
     assert spec.hyperparameters == SFTConfig().model_dump(mode="json")
+
+
+# --- policy losses (ppo, grpo) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [PPOConfig, GRPOConfig])
+def test_policy_loss_is_one_of_the_registry(cls):
+    assert cls().policy_loss == "ppo_clip" and cls().dual_clip is None
+    for name in POLICY_LOSSES:
+        assert cls.model_validate({"policy_loss": name}).policy_loss == name
+    message = _error(cls, {"policy_loss": "grpo_clip"})
+    assert message == "policy_loss: unknown policy loss 'grpo_clip'; known: ppo_clip, importance_sampling, cispo, gspo"
+    assert cls.model_json_schema()["properties"]["policy_loss"]["enum"] == list(POLICY_LOSSES)
+
+
+@pytest.mark.parametrize("cls", [PPOConfig, GRPOConfig])
+def test_dual_clip_is_above_one_and_only_for_the_clipped_surrogates(cls):
+    assert cls.model_validate({"dual_clip": 3.0}).dual_clip == 3.0
+    assert cls.model_validate({"policy_loss": "gspo", "dual_clip": 1.5}).dual_clip == 1.5
+    for value in (1.0, 0.5):
+        message = _error(cls, {"dual_clip": value})
+        assert message == "dual_clip: Input should be greater than 1", message
+    for name in ("importance_sampling", "cispo"):
+        message = _error(cls, {"policy_loss": name, "dual_clip": 3.0})
+        assert message == f"spec: dual_clip applies to policy_loss ppo_clip and gspo only, not {name}", message
+
+
+def test_policy_loss_refusals_in_a_job_spec_name_the_field():
+    message = _error(JobSpec, _spec("ppo", hyperparameters={"policy_loss": "ppo"}))
+    assert message.startswith("hyperparameters: policy_loss: unknown policy loss 'ppo'; known: ppo_clip,"), message
+    grpo = {"type": "grpo", "model": "builtin:tiny", "dataset": "builtin:digits-prompts", "reward_model": "job:rm-1"}
+    message = _error(JobSpec, {**grpo, "hyperparameters": {"policy_loss": "cispo", "dual_clip": 2.0}})
+    assert message == "hyperparameters: dual_clip applies to policy_loss ppo_clip and gspo only, not cispo", message
+
+
+def test_loss_settings_from_each_config():
+    ppo = PPOConfig.model_validate({"cliprange": 0.1, "dual_clip": 3.0})
+    assert ppo.loss_settings == LossSettings(clip_low=0.1, clip_high=0.1, dual_clip=3.0)
+    grpo = GRPOConfig.model_validate({"cliprange_low": 3e-4, "cliprange_high": 4e-4, "policy_loss": "gspo"})
+    assert grpo.loss_settings == LossSettings(clip_low=3e-4, clip_high=4e-4)
