@@ -30,7 +30,6 @@ from engine.grpo import tied_groups, token_advantages
 from engine.learner import Learner, LossInputs, Objective, accumulate, mean, run_updates
 from engine.loop import JobResult, Run, load_datasets, seed_everything
 from engine.online import RolloutRNG, evaluate, open_policy, roll_out_rows
-from engine.policy_losses import LossSettings
 from engine.ppo import kl_per_token
 from engine.rewards import RewardFunction, gathered, grader_scorer
 from engine.rollout import Rollout, gather_rollout, logged_samples, samples_due
@@ -62,8 +61,14 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
     stop_token_ids = learner.sampling.stop_token_ids
     scorer, eval_scorer = (grader_scorer(r, tokenizer, stop_token_ids) for r in (reward, eval_reward))
     kl_loss_coef = cfg.kl_coef if cfg.kl_coef > 0 and not cfg.kl_as_reward else 0.0
-    objective = Objective("ppo_clip", LossSettings(cfg.cliprange_low, cfg.cliprange_high), cfg.aggregation,
-                          cfg.response_length, kl_loss_coef, cfg.kl_term_estimator)  # fmt: skip
+    objective = Objective(
+        cfg.policy_loss,
+        cfg.loss_settings,
+        aggregation=cfg.aggregation,
+        max_tokens=cfg.response_length,
+        kl_coef=kl_loss_coef,
+        kl_estimator=cfg.kl_term_estimator,
+    )
 
     start = learner.start_training(run, cfg, cfg.total_steps)
     if start.finished:

@@ -31,7 +31,6 @@ from engine.loop import JobResult, Run, load_datasets, seed_everything
 from engine.models import ScalarHead, check_fits
 from engine.online import RolloutRNG, critic_and_scorer, evaluate, open_policy, roll_out_rows
 from engine.ops import masked_mean, masked_whiten
-from engine.policy_losses import LossSettings
 from engine.ppo import (
     AdaptiveKLController,
     FixedKLController,
@@ -87,8 +86,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         check_fits(learner.model, cfg.max_length, "hyperparameters.max_length")
     critic = ranks.wrap(ScalarHead(value_model), compile=cfg.torch_compile)  # trained through; rollouts use the model
     saved = {"policy": learner.model, "value": value_model}  # the checkpoints' models
-    objective = Objective("ppo_clip", LossSettings(cfg.cliprange, cfg.cliprange), entropy=True,
-                          entropy_coef=cfg.entropy_coef)  # fmt: skip
+    objective = Objective(cfg.policy_loss, cfg.loss_settings, entropy=True, entropy_coef=cfg.entropy_coef)
 
     # Optimizer (policy and critic, each at its learning rate), schedule, RNGs, KL controller, running score
     # moments and collapse monitor, restored from the last checkpoint when there is one
