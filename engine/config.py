@@ -341,7 +341,9 @@ class PPOConfig(TrainConfig):
     (Tinker's); ``cispo``, the ratio clipped to 1 ± ``cliprange`` as a detached weight of every token's log-prob
     gradient, so no token's gradient is dropped (MiniMax-M1, arXiv:2506.13585); ``gspo``, one ratio per response,
     the geometric mean of its tokens' (Qwen, arXiv:2507.18071), clipped: for long responses and mixture-of-experts
-    models, whose token ratios are noisy; it wants a far smaller ``cliprange`` (the paper's 3e-4 / 4e-4)."""
+    models, whose token ratios are noisy; it wants a far smaller ``cliprange``, the more so the less a step moves
+    the model (the paper's 3e-4 / 4e-4 for its large ones; GRPO on the built-in digits task learns at 0.03 /
+    0.04)."""
     dual_clip: DualClip | None = None
     """Dual-clip PPO (Ye et al., arXiv:1912.09729): the loss of a token with a negative advantage is capped at
     ``dual_clip`` × |A|, so a ratio far above 1 (a token much likelier now than when it was sampled) cannot make
@@ -510,9 +512,12 @@ class GRPOConfig(TrainConfig):
     every token's log-prob gradient, so no token's gradient is dropped (MiniMax-M1, arXiv:2506.13585, which bounds
     the weight above only: ``cliprange_low`` near 1); ``gspo``, one ratio per response, the geometric mean of its
     tokens' (Qwen, arXiv:2507.18071), clipped: for long responses and mixture-of-experts models, whose token
-    ratios are noisy; it wants far smaller clip ranges (the paper's 3e-4 / 4e-4) and ``loss_aggregation:
-    sequence_mean``. With ``num_iterations`` 1 every ratio is 1 in an update's first minibatch, where the four
-    give REINFORCE's gradient alike."""
+    ratios are noisy; with ``loss_aggregation: sequence_mean`` (the paper's) and far smaller clip ranges, the
+    more so the less a step moves the model: the paper's 3e-4 / 4e-4 suit its large models, while on the built-in
+    digits task (``builtin:tiny``, lr 5e-4) they clip half the tokens and learn slowly, while 0.03 / 0.04 clip
+    about a tenth and learn as ``ppo_clip`` does (benchmarks/policy_losses.py). With
+    ``num_iterations`` 1 every ratio is 1 in a step's first minibatch, where the four give REINFORCE's gradient
+    alike."""
     dual_clip: DualClip | None = None
     """Dual-clip PPO (Ye et al., arXiv:1912.09729): the loss of a token with a negative advantage is capped at
     ``dual_clip`` × |A|, so a ratio far above 1 (a token much likelier now than when it was sampled) cannot make

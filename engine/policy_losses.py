@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The settings of a loss, from the job's hyperparameters."""
+    """The settings of a loss, from the job's hyperparameters (``PPOConfig`` / ``GRPOConfig.loss_settings``)."""
 
     clip_low: float
     """The ratio is clipped below at 1 - clip_low (CISPO: the weight)."""
@@ -40,6 +40,8 @@ class LossSettings:
 
 @dataclass
 class PolicyLossOut:
+    """What a policy loss returns."""
+
     per_token: torch.Tensor
     """The loss of each token, differentiable, not reduced: (n, T)."""
     clipped: torch.Tensor
@@ -47,6 +49,10 @@ class PolicyLossOut:
 
 
 class PolicyLoss(Protocol):
+    """A policy loss: ``logprobs`` (n, T) of the responses under the trained policy, with their graph;
+    ``old_logprobs`` (n, T), those the update's data was sampled with; ``advantages`` (n, T); ``mask`` (n, T),
+    1.0 on kept tokens; ``settings``."""
+
     def __call__(
         self,
         logprobs: torch.Tensor,
