@@ -6,6 +6,7 @@ once here with exact-division checks, so a bad spec fails before any model is lo
 """
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, get_args
 
@@ -604,6 +605,89 @@ class GRPOConfig(TrainConfig):
         return self
 
 
+class DistillConfig(TrainConfig):
+    """On-policy distillation (Agarwal et al., arXiv:2306.13649; Lu et al., Thinking Machines, "On-policy
+    distillation", 2025): the trained policy (the student) samples, the frozen ``teacher`` gives the log-prob of each
+    sampled token, and each token's advantage is its own reverse-KL term -(log π_student - log π_teacher) (discount
+    0), plus ``reward_coef`` × the group advantage of the job's ``reward`` when it has one; the update is GRPO's
+    clipped surrogate."""
+
+    def process_shares(self, processes: int) -> dict[str, int]:
+        # prompts are rolled out split over the processes, samples trained on in minibatches split likewise
+        return {"batch_size": processes, "mini_batch_size": processes * self.gradient_accumulation_steps}
+
+    def token_lengths(self) -> dict[str, tuple[str, int]]:
+        tokens = (self.max_prompt_length or 1) + self.response_length  # null: at least a one-token prompt
+        return {"hyperparameters.response_length": ("max_prompt_length + response_length", tokens)}
+
+    learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-5
+    """Student AdamW learning rate."""
+    total_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
+    """Steps; one step samples ``batch_size`` prompts ``group_size`` times each and trains on them."""
+    batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)] = 16
+    """Prompts per step."""
+    group_size: Annotated[int, Field(ge=1, le=1024)] = 4
+    """Samples per prompt; each prompt is prefilled once for its whole group."""
+    mini_batch_size: Annotated[int, Field(ge=1, le=1_048_576)] = 64
+    """Samples per optimizer step; ``batch_size × group_size`` must be a multiple of it."""
+    num_iterations: Annotated[int, Field(ge=1, le=100)] = 1
+    """Passes over each step's samples; with 1 every update is on-policy and the ratio stays 1 in its first
+    minibatch."""
+    max_prompt_length: Annotated[int, Field(ge=1, le=131_072)] | None = None
+    """Prompts longer than this many tokens keep their last ones, and a warning event counts them. None: the
+    longest prompt of the dataset and eval dataset, capped by the model's context minus ``response_length``."""
+    response_length: Annotated[int, Field(ge=1, le=65_536)] = 32
+    """Tokens sampled per response at most (sampling ends once every response stopped)."""
+    temperature: Annotated[float, Field(gt=0, le=10)] = 1.0
+    """Sampling temperature; the student's and the teacher's log-probs are both taken at it."""
+    top_k: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    """Sample from the k most likely tokens only (0: the whole vocabulary)."""
+    stop_token: StopToken | None = "eos"
+    """Truncate each response after its first stop token: ``"eos"`` (the model's end tokens), a token of the
+    vocabulary, or None (never truncate); as GRPOConfig's."""
+    cliprange_low: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    """The ratio is clipped below at 1 - cliprange_low."""
+    cliprange_high: Annotated[float, Field(gt=0, le=10)] = 0.2
+    """The ratio is clipped above at 1 + cliprange_high."""
+    reward_coef: Annotated[float, Field(ge=0, le=100)] = 0.0
+    """Weight of the job's optional ``reward`` (or ``reward_model``) in the advantage: each sample's GRPO group
+    advantage ((r - group mean) / group std) × this is added to every one of its tokens' reverse-KL terms. 0: pure
+    distillation (a reward given is then only measured: ``reward/*`` and ``eval/reward``)."""
+    eval_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    """With an eval dataset: sample each of its prompts once every this many steps (and at the end) and report
+    ``eval/distill/reverse_kl`` and, with a reward or ``eval_reward``, ``eval/reward``."""
+    eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
+    """Use at most this many eval prompts (the first ones)."""
+    log_samples_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = 10
+    """Keep a sample of the rollouts (prompt, response, reward components, summed reverse KL to the teacher,
+    length) at step 1 and every this many steps (None: none kept)."""
+    log_samples: Annotated[int, Field(ge=1, le=256)] = 16
+    """Samples kept per logged step: the first ones of the batch, whole groups first."""
+    cuda_graphs: bool = True
+    """On CUDA, sample with static KV caches and each decoding step captured as a CUDA graph, as GRPOConfig's.
+    No effect on CPU."""
+    torch_compile: bool = False
+    """Compile the student's training forward (and so the backward) with ``torch.compile``, as GRPOConfig's."""
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.mini_batch_size // self.gradient_accumulation_steps
+
+    @model_validator(mode="after")
+    def _divides(self) -> "DistillConfig":
+        samples = self.batch_size * self.group_size
+        _check_divides("batch_size × group_size", samples, "mini_batch_size", self.mini_batch_size)
+        _check_divides(
+            "mini_batch_size", self.mini_batch_size, "gradient_accumulation_steps", self.gradient_accumulation_steps
+        )
+        _check_micro_batch("mini_batch_size", self.micro_batch_size)
+        if self.reward_coef > 0 and self.group_size < 2:
+            raise ValueError(
+                "reward_coef mixes in each sample's advantage over its group: group_size must be at least 2"
+            )
+        return self
+
+
 class LoraSpec(_Strict):
     """Low-rank adapters on the policy."""
 
@@ -703,6 +787,9 @@ class JobTypeInfo:
     reward_model: bool = False
     """Whether it trains against a reward: a ``reward_model`` or a ``reward`` is required (and allowed, with an
     ``eval_reward``)."""
+    teacher: bool = False
+    """Whether it learns from a ``teacher`` model (required for it, refused for other types); such a type takes a
+    reward optionally (``reward_model`` or ``reward``, and ``eval_reward``)."""
     openai_method: Literal["supervised", "dpo", "reinforcement"] | None = None
     """The ``method.type`` of OpenAI's fine-tuning API that this type trains (``/v1/fine_tuning/jobs``)."""
     demo_task: Literal["reviews", "digits"] = "reviews"
@@ -710,7 +797,9 @@ class JobTypeInfo:
     policies are judged."""
     demo: dict[str, Any] = field(default_factory=dict)
     """Its stage of ``rlhf demo`` on the built-in reviews task: the spec less ``type``, ``model`` and
-    ``reward_model`` (which the demo fills in); the dashboard's new-job form starts from it too."""
+    ``reward_model`` (which the demo fills in); the dashboard's new-job form starts from it too. A field of
+    :data:`MODEL_FIELDS` may name another type's stage as ``stage:<type>`` (the pipelines' spelling): the demo
+    trains that stage first and names its model there."""
 
     @property
     def generates(self) -> bool:
@@ -852,8 +941,77 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
         },
         demo_task="digits",
     ),
+    "distill": JobTypeInfo(
+        summary="on-policy distillation: the policy samples, a teacher's per-token log-probs of the samples teach "
+        "it (reverse KL), optionally mixed with a reward",
+        config=DistillConfig,
+        dataset="prompts",
+        output="policy",
+        trainer="engine.distill:train_distill",
+        metrics=(
+            "distill/reverse_kl",
+            "eval/distill/reverse_kl",
+            "response/length_mean",
+            "distill/teacher_logprob",
+            "distill/student_logprob",
+            "loss/policy",
+            "policy/clipfrac",
+            "eval/reward",
+        ),
+        teacher=True,
+        demo={
+            "dataset": "builtin:digits-prompts",
+            "eval_dataset": "builtin:digits-prompts-eval",
+            "teacher": "stage:grpo",
+            "eval_reward": digits.GRADER,
+            "hyperparameters": {
+                "total_steps": 120,
+                "batch_size": 32,
+                "group_size": 4,
+                "mini_batch_size": 128,
+                "num_iterations": 2,
+                "learning_rate": 1e-3,
+                "lr_scheduler": "constant",
+                "response_length": 4,
+                "eval_every": 60,
+            },
+            "checkpoint_every": 50,
+        },
+        demo_task="digits",
+    ),
 }
 """The job types, by the name a spec's ``type`` gives."""
+
+
+@dataclass(frozen=True)
+class ModelField:
+    """A spec field that names a model besides ``model`` (the graders' ``model`` aside): the API resolves its
+    ``job:<id>`` and folders as it does ``model``'s, a pipeline stage may name an earlier one there as
+    ``stage:<name>``, and a worker downloads a hub id there before the job starts."""
+
+    output: Literal["policy", "reward_model"]
+    """What the model it names is: the job types whose output it may name are those of this output, and a
+    reward model is checked to have a sequence-classification head."""
+    same_vocabulary: bool = False
+    """Whether its tokenizer must be ``model``'s: its log-probs are taken of the trained model's token ids."""
+
+
+MODEL_FIELDS: dict[str, ModelField] = {
+    "reward_model": ModelField(output="reward_model"),
+    "teacher": ModelField(output="policy", same_vocabulary=True),
+}
+"""The spec's model fields besides ``model``, by name."""
+
+
+def vocabulary_mismatch(field_name: str) -> str:
+    """Why a model named in ``field_name`` whose tokenizer differs from ``model``'s is refused: at submit, where both
+    tokenizers can be read, and when the job starts."""
+    return (
+        f"the {field_name}'s tokenizer is not the model's (their vocabularies differ): its log-probs of the model's "
+        f"token ids would be of other text; name a {field_name} that shares the model's tokenizer"
+    )
+
+
 HYPERPARAMETERS: dict[str, type[TrainConfig]] = {name: info.config for name, info in JOB_TYPES.items()}
 GENERATING_TYPES = tuple(name for name, info in JOB_TYPES.items() if info.generates)
 """The job types whose models generate (a reward model scores text)."""
@@ -886,8 +1044,11 @@ class JobSpec(_Strict):
     """The reward of ppo and grpo jobs: a grader (engine/graders.py; OpenAI's grader JSON where it has one):
     ``model``, ``string_check``, ``text_similarity``, ``http``, ``python``, or ``multi`` combining them."""
     eval_reward: Grader | None = None
-    """What scores the samples of ``eval_dataset`` (ppo and grpo): any grader; default the training reward.
-    A reward the policy cannot game (a rule, another model) shows reward hacking on the dashboard."""
+    """What scores the samples of ``eval_dataset`` (ppo, grpo and distill): any grader; default the training
+    reward. A reward the policy cannot game (a rule, another model) shows reward hacking on the dashboard."""
+    teacher: Annotated[str, Field(min_length=1, max_length=500)] | None = None
+    """The model a distill job's policy learns from (required there, refused elsewhere), named as ``model`` is:
+    builtin:tiny, job:<id>[@<step>], a hub id or a local path. Its tokenizer must be the model's."""
     hyperparameters: dict[str, Any] = Field(default_factory=dict, validate_default=True)
     """Type-specific settings (SFTConfig, RMConfig or PPOConfig); validated, defaults documented there."""
     lora: LoraSpec | None = None
@@ -913,7 +1074,7 @@ class JobSpec(_Strict):
             raise ValueError(f"unknown job type {value[:40]!r}; known: {', '.join(JOB_TYPES)}")
         return value
 
-    @field_validator("model", "reward_model")
+    @field_validator("model", *MODEL_FIELDS)
     @classmethod
     def _model_ref(cls, value: str | None) -> str | None:
         if value is not None and not _MODEL_REF.match(value):
@@ -957,15 +1118,31 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _reward_where_needed(self) -> "JobSpec":
-        needs = JOB_TYPES[self.type].reward_model
+        info = JOB_TYPES[self.type]
+        needs, allowed = info.reward_model, info.reward_model or info.teacher
         if needs and self.reward_model is None and self.reward is None:
             raise ValueError(f"reward_model or reward is required for {self.type} jobs")
-        if needs and self.reward_model is not None and self.reward is not None:
+        if allowed and self.reward_model is not None and self.reward is not None:
             raise ValueError("reward_model and reward both given: give one (reward_model: a model reward, in short)")
-        takes = " and ".join(name for name, info in JOB_TYPES.items() if info.reward_model)
+        takes = _listed(name for name, info in JOB_TYPES.items() if info.reward_model or info.teacher)
         for field_name in ("reward_model", "reward", "eval_reward"):
-            if not needs and getattr(self, field_name) is not None:
+            if not allowed and getattr(self, field_name) is not None:
                 raise ValueError(f"{field_name} applies to {takes} jobs only, not {self.type}")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_where_needed(self) -> "JobSpec":
+        if JOB_TYPES[self.type].teacher:
+            if self.teacher is None:
+                raise ValueError(f"teacher is required for {self.type} jobs")
+            if self.hyperparameters.get("reward_coef") and self.reward_grader is None:
+                raise ValueError(
+                    "hyperparameters.reward_coef weighs a reward's advantage: give a reward or reward_model, or set "
+                    "reward_coef to 0"
+                )
+        elif self.teacher is not None:
+            takes = _listed(name for name, info in JOB_TYPES.items() if info.teacher)
+            raise ValueError(f"teacher applies to {takes} jobs only, not {self.type}")
         return self
 
     @property
@@ -994,6 +1171,12 @@ class JobSpec(_Strict):
     def config(self) -> TrainConfig:
         """The typed hyperparameters of this job type."""
         return HYPERPARAMETERS[self.type].model_validate(self.hyperparameters)
+
+
+def _listed(names: Iterable[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    *rest, last = names
+    return f"{', '.join(rest)} and {last}" if rest else last
 
 
 def _check_micro_batch(name: str, micro_batch_size: int) -> None:

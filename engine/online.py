@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.config import GRPOConfig, PPOConfig
+from engine.config import DistillConfig, GRPOConfig, PPOConfig
 from engine.data import encode_prompts
 from engine.distributed import Ranks
 from engine.generate import decode_warning, job_decoder
@@ -33,7 +33,7 @@ Reward = Callable[[Samples, Sequence[bool]], RewardScores]
 """A reward of graders (:class:`engine.rewards.RewardFunction`)."""
 
 
-OnlineConfig = TypeVar("OnlineConfig", PPOConfig, GRPOConfig)
+OnlineConfig = TypeVar("OnlineConfig", PPOConfig, GRPOConfig, DistillConfig)
 
 
 def open_policy(

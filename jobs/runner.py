@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session
 
 from engine.callbacks import Callbacks, StopRequest
 from engine.checkpoint import list_checkpoints
-from engine.config import JobSpec, format_errors
+from engine.config import MODEL_FIELDS, JobSpec, format_errors
 from engine.data import DatasetError
 from engine.graders import RewardError, RewardFunctionError, RewardServiceError, model_refs, replace_models
 from engine.health import TrainingCollapseError
@@ -511,7 +511,8 @@ def _downloaded(spec: JobSpec, settings: Settings, callbacks: DbCallbacks) -> Jo
         return callbacks.should_stop()
 
     graders = [grader for grader in (spec.reward, spec.eval_reward) if grader is not None]
-    wanted = [spec.model, spec.reward_model, *(ref for grader in graders for ref in model_refs(grader))]
+    named = [getattr(spec, field) for field in MODEL_FIELDS]  # reward_model, teacher
+    wanted = [spec.model, *named, *(ref for grader in graders for ref in model_refs(grader))]
     folders: dict[str, str] = {}
     for ref in wanted:
         if ref is None or not is_hub_id(ref) or ref in folders:
@@ -522,7 +523,7 @@ def _downloaded(spec: JobSpec, settings: Settings, callbacks: DbCallbacks) -> Jo
     if not folders:
         return spec
     data = spec.model_dump(mode="json")
-    for field in ("model", "reward_model"):
+    for field in ("model", *MODEL_FIELDS):
         data[field] = folders.get(data[field], data[field])
     for field in ("reward", "eval_reward"):
         if data[field]:

@@ -33,8 +33,8 @@ class PipelineCreate(BaseModel):
     stages: Annotated[
         dict[Annotated[str, Field(pattern=STAGE)], dict[str, Any]], Field(min_length=1, max_length=MAX_STAGES)
     ]
-    """Job specs by stage name, in order; ``model``, ``reward_model`` and reward graders' ``model`` may name an
-    earlier stage as ``stage:<name>``."""
+    """Job specs by stage name, in order; ``model``, the other model fields (``reward_model``, ``teacher``) and
+    reward graders' ``model`` may name an earlier stage as ``stage:<name>``."""
 
 
 class PipelinePublic(BaseModel):

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from api.deps import Enqueue
 from api.errors import ApiError
 from api.services.jobs import check_pending, send_created, validated_spec
+from engine.config import MODEL_FIELDS
 from engine.graders import replace_models
 from jobs.store import crud
 from jobs.store.models import Job, Project
@@ -120,7 +121,7 @@ def _with_stage_refs(body: dict[str, Any], ids: dict[str, str], stage: str) -> d
             )
         return f"job:{ids[name]}"
 
-    body = {**body, **{field: resolved(field, body[field]) for field in ("model", "reward_model") if field in body}}
+    body = {**body, **{field: resolved(field, body[field]) for field in ("model", *MODEL_FIELDS) if field in body}}
     for field in ("reward", "eval_reward"):
         if isinstance(body.get(field), dict):
             with suppress(AttributeError, KeyError, TypeError):  # not a grader: JobSpec's validation says so

@@ -27,8 +27,8 @@ from huggingface_hub import try_to_load_from_cache
 from sqlalchemy.orm import Session
 
 from engine.auto import auto_hyperparameters, model_width
-from engine.builtin import DATASETS, TINY_CONFIG, TINY_MODEL
-from engine.config import JOB_TYPES
+from engine.builtin import DATASETS, TINY_CONFIG, TINY_MODEL, TOKENIZER_FILE
+from engine.config import JOB_TYPES, MODEL_FIELDS, vocabulary_mismatch
 from engine.graders import check_allowed, parse_grader, replace_models
 from engine.hub import is_hub_id
 from engine.model_refs import (
@@ -58,9 +58,10 @@ def model_sources(job_type: str) -> tuple[str, ...]:
     return tuple(name for name, info in JOB_TYPES.items() if info.output == "policy" or info.output == own.output)
 
 
-def reward_model_sources() -> tuple[str, ...]:
-    """The job types whose output a spec's ``reward_model`` may name."""
-    return tuple(name for name, info in JOB_TYPES.items() if info.output == "reward_model")
+def output_sources(output: str) -> tuple[str, ...]:
+    """The job types whose output is ``output`` (``policy`` or ``reward_model``): what a model field of
+    :data:`MODEL_FIELDS` of that output may name."""
+    return tuple(name for name, info in JOB_TYPES.items() if info.output == output)
 
 
 @dataclass
@@ -71,7 +72,7 @@ class SpecReferenceError(ValueError):
     """``job_not_found``, ``job_not_succeeded``, ``checkpoint_not_found``, ``wrong_job_type``,
     ``file_not_found``, ``wrong_file_purpose``, ``local_path_refused``, ``hub_model_unavailable``,
     ``model_not_found`` (no such folder), ``tokenizer_missing``, ``no_classification_head``,
-    ``chat_template_missing``, ``exceeds_context`` or ``reward_not_allowed``."""
+    ``chat_template_missing``, ``exceeds_context``, ``reward_not_allowed`` or ``vocabulary_mismatch``."""
     message: str
 
     def __str__(self) -> str:
@@ -95,14 +96,20 @@ def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], art
                                model_root, hub_downloads, pending)  # fmt: skip
     _check_model("model", resolved["model"], JOB_TYPES[job_type].output == "reward_model")
 
-    def reward_model(param: str, ref: str) -> str:
-        path = _model(session, project_id, param, ref, reward_model_sources(), artifacts, model_root, hub_downloads,
+    def named_model(param: str, ref: str, output: str) -> str:
+        path = _model(session, project_id, param, ref, output_sources(output), artifacts, model_root, hub_downloads,
                       pending)  # fmt: skip
-        _check_model(param, path, scores=True)
+        _check_model(param, path, scores=output == "reward_model")
         return path
 
-    if spec.get("reward_model"):
-        resolved["reward_model"] = reward_model("reward_model", spec["reward_model"])
+    def reward_model(param: str, ref: str) -> str:
+        return named_model(param, ref, "reward_model")
+
+    for field, named in MODEL_FIELDS.items():
+        if spec.get(field):
+            resolved[field] = named_model(field, spec[field], named.output)
+            if named.same_vocabulary and _same_vocabulary(resolved[field], resolved["model"]) is False:
+                raise SpecReferenceError(field, "vocabulary_mismatch", vocabulary_mismatch(field))
     for field in ("reward", "eval_reward"):
         if spec.get(field):
             problems = check_allowed(parse_grader(spec[field]), reward_urls, reward_functions)
@@ -287,6 +294,30 @@ def _has_chat_template(model: str) -> bool | None:
     return chat_template_saved(folder) if folder else None
 
 
+def _same_vocabulary(a: str, b: str) -> bool | None:
+    """Whether the resolved models ``a`` and ``b`` have one vocabulary; None when either cannot be told here."""
+    first, second = _vocabulary(a), _vocabulary(b)
+    return None if first is None or second is None else first == second
+
+
+def _vocabulary(model: str) -> dict[str, int] | None:
+    """Token → id of the resolved ``model``'s saved fast tokenizer (``tokenizer.json``: its model's ``vocab`` and
+    its ``added_tokens``, what transformers' ``get_vocab`` gives), when it is at hand here (built-in, a job's or a
+    folder's, a cached hub model's); None otherwise, or for a file that does not read as one."""
+    folder = _model_folder(model)
+    path = TOKENIZER_FILE if model == TINY_MODEL else folder / "tokenizer.json" if folder else None
+    if path is None:
+        return None
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        vocab = saved["model"]["vocab"]
+        if isinstance(vocab, list):  # Unigram: [piece, score] pairs, the id their index
+            vocab = {piece: i for i, (piece, _) in enumerate(vocab)}
+        return {**vocab, **{token["content"]: token["id"] for token in saved["added_tokens"]}}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _model(
     session: Session, project_id: str, param: str, ref: str, sources: tuple[str, ...], artifacts: Path,
     model_root: Path | None, hub_downloads: bool, pending: list[str] | None = None,
@@ -326,8 +357,9 @@ def _model(
 
 def dependencies(spec: dict[str, Any]) -> list[str]:
     """The ids of the jobs whose final model ``spec`` names (``job:<id>``, without a step): in ``model``,
-    ``reward_model`` and the model graders of ``reward`` and ``eval_reward``."""
-    refs = [spec.get("model"), spec.get("reward_model")]
+    the fields of :data:`MODEL_FIELDS` (``reward_model``, ``teacher``) and the model graders of ``reward`` and
+    ``eval_reward``."""
+    refs = [spec.get("model"), *(spec.get(field) for field in MODEL_FIELDS)]
 
     def collect(param: str, ref: str) -> str:
         refs.append(ref)

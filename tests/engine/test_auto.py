@@ -85,8 +85,10 @@ def test_every_auto_choice_is_a_valid_spec(job_type: str) -> None:
     for rows in (1, 16, 240, 4000, 1_000_000):
         for width in (8, 64, 128, 4096, 16_384):
             chosen = auto_hyperparameters(job_type, {}, rows=rows, width=width, lora=True)
-            reward = {"reward_model": "builtin:tiny"} if JOB_TYPES[job_type].reward_model else {}
+            models = {"reward_model": "builtin:tiny"} if JOB_TYPES[job_type].reward_model else {}
+            if JOB_TYPES[job_type].teacher:
+                models["teacher"] = "builtin:tiny"
             spec = JobSpec.model_validate(
-                {"type": job_type, "model": "builtin:tiny", "dataset": "x.jsonl", "hyperparameters": chosen, **reward}
+                {"type": job_type, "model": "builtin:tiny", "dataset": "x.jsonl", "hyperparameters": chosen, **models}
             )
             assert {name: spec.hyperparameters[name] for name in chosen} == chosen

@@ -362,7 +362,7 @@ def test_label_smoothing_is_for_the_sigmoid_loss_only() -> None:
 
 
 def test_a_reward_model_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValidationError, match="reward_model applies to ppo and grpo jobs only, not dpo"):
+    with pytest.raises(ValidationError, match="reward_model applies to ppo, grpo and distill jobs only, not dpo"):
         dpo_spec("builtin:tiny", reward_model=str(tmp_path / "rm"))
 
 

@@ -4,7 +4,8 @@ A worker that may download (``RLHF_HUB_DOWNLOADS``) fetches a job's hub models i
 the job trains on the downloaded snapshot, a hub that sends nothing fails it within ``hub_stall_seconds``, and a
 cancel sent during the download ends it ``cancelled`` at once (against a hub of the test's own). A job asking
 for more processes than the worker has GPUs (or CPU cores) fails at once as ``invalid_spec``; one whose checkpoint
-the disk cannot take fails as ``disk_full``, in a sentence without torch's words for it."""
+the disk cannot take fails as ``disk_full``, in a sentence without torch's words for it. A distill job's hub
+teacher is downloaded the same way."""
 
 import threading
 import time
@@ -15,6 +16,7 @@ import pytest
 from huggingface_hub import constants
 
 from engine import checkpoint, hub
+from engine.config import vocabulary_mismatch
 from jobs import runner
 from jobs.downloads import cached_snapshot, model_files
 from jobs.store.models import Job
@@ -86,6 +88,28 @@ def test_a_job_trains_on_the_model_it_downloaded(
     snapshot = cached_snapshot(REPO_ID)
     assert snapshot is not None and (Path(snapshot) / "model.safetensors").is_file()
     assert cached_snapshot("someorg/never-downloaded") is None
+
+
+def test_a_distill_job_downloads_its_teacher_and_fails_one_of_another_tokenizer(
+    downloading: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub teacher is downloaded like a hub model; one whose tokenizer is not the model's fails the job as
+    ``invalid_spec``, with the API's message."""
+    teacher = "someorg/tiny-llama-teacher"
+    model = build_model("llama", tmp_path / "published")
+    settings = downloading
+    small = {"total_steps": 1, "batch_size": 2, "group_size": 2, "mini_batch_size": 4, "response_length": 2}
+    spec = {"type": "distill", "model": REPO_ID, "teacher": teacher, "dataset": "builtin:digits-prompts"}
+    spec["hyperparameters"] = small
+    with fake_hub({REPO_ID: model, teacher: model}) as served:
+        hub_of(served, monkeypatch)
+        job_id = create_job(settings, new_project(settings).id, spec)
+        status = runner.run_job(job_id, settings=settings, worker="w:1")
+        assert status == "succeeded", get_job(settings, job_id).error_message
+        assert any(e.message == f"downloading {teacher} from the Hugging Face hub" for e in events(settings, job_id))
+        job = failed_job(settings, {**spec, "model": "builtin:tiny"})
+    # the teacher is in the cache now: the worker's own check of the spec's references finds it out first
+    assert (job.error_code, job.error_message) == ("invalid_spec", f"teacher: {vocabulary_mismatch('teacher')}")
 
 
 def test_a_model_the_hub_does_not_have_fails_with_model_not_found(

@@ -78,11 +78,14 @@ def test_builtin_datasets_match_each_types_kind(client: TestClient) -> None:
 
 
 def test_each_example_is_a_spec_the_server_accepts(client: TestClient, calls: Calls) -> None:
-    # What the dashboard's form starts from, once it picks a model (and a reward model where one is taken).
+    # What the dashboard's form starts from, once it picks a model (and a reward model or a teacher where one is
+    # taken: the demo's teacher, a stage:<name> of its pipeline, names no job here).
     for shown in listed(client):
         spec = {**shown["example"], "type": shown["name"], "model": "builtin:tiny"}
         if shown["reward_model"] and "reward" not in spec:  # grpo's example brings its own reward
             spec["reward_model"] = "builtin:tiny"
+        if JOB_TYPES[shown["name"]].teacher:
+            spec["teacher"] = "builtin:tiny"
         response = client.post("/v1/jobs", json=spec)
         assert response.status_code == 201, (shown["name"], response.text)
         assert response.json()["type"] == shown["name"]

@@ -2,6 +2,7 @@
 pagination and filters, enqueue after commit, guarded cancel/pause/resume."""
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -9,11 +10,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.main import create_app
+from engine.builtin import TOKENIZER_FILE
+from engine.config import vocabulary_mismatch
 from jobs.store import crud
 from jobs.store.settings import Settings
 from tests.api.helpers import PPO_SPEC, RM_SPEC, SFT_SPEC, Calls, Db, error_of, jsonl
 from tests.factories import Project, new_project
 from tests.hf_cache import put_in_cache
+from tests.models import build_tokenizer
 
 
 def jobs_stored(client: TestClient) -> list[dict[str, Any]]:
@@ -448,3 +452,66 @@ def test_models_the_worker_could_not_use_are_refused_at_submit(
             assert needle in error["message"] and len(error["message"]) < 400, error["message"]
         assert jobs_stored(client) == []
         assert client.post("/v1/jobs", json={**SFT_SPEC, "model": "granite"}).status_code == 201  # a policy may be
+
+
+DISTILL_SPEC: dict[str, Any] = {
+    "type": "distill",
+    "model": "builtin:tiny",
+    "teacher": "builtin:tiny",
+    "dataset": "builtin:digits-prompts",
+}
+
+
+def test_a_teacher_is_named_as_a_model_is_and_must_share_its_tokenizer(
+    settings: Settings, project: Project, db: Db, calls: Calls, tmp_path: Path
+) -> None:
+    """distill's ``teacher``: ``job:<id>`` of a policy or a folder under the model root, as ``model``; and where both
+    tokenizers can be read here (the built-in one, a job's saved model, a folder's), the model's vocabulary, else a
+    422 ``vocabulary_mismatch`` with the message the job would fail with on a worker."""
+    build_tokenizer(tmp_path / "other")  # a byte-level BPE of its own
+    (tmp_path / "same").mkdir()
+    shutil.copy(TOKENIZER_FILE, tmp_path / "same" / "tokenizer.json")
+    for name in ("other", "same"):
+        (tmp_path / name / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+
+    def saved_job(folder: Path) -> str:
+        """A succeeded sft job whose final model is ``folder``'s."""
+        job_id = db.job(project.id, status="succeeded")
+        out = settings.resolved_artifacts_dir / "jobs" / job_id
+        shutil.copytree(folder, out / "checkpoints" / "step-1" / "policy")
+        (out / "job.json").write_text(json.dumps({"status": "succeeded", "final_step": 1}))
+        db.checkpoint(job_id, 1)
+        return job_id
+
+    other_job, same_job = saved_job(tmp_path / "other"), saved_job(tmp_path / "same")
+    rm_job = db.job(project.id, spec=RM_SPEC, status="succeeded")
+    app = create_app(
+        settings.model_copy(update={"model_root": tmp_path}), enqueue=calls.enqueue, recovery_interval=None
+    )
+    cases = [
+        ({**DISTILL_SPEC, "teacher": "other"}, "vocabulary_mismatch"),
+        ({**DISTILL_SPEC, "teacher": f"job:{other_job}"}, "vocabulary_mismatch"),
+        ({**DISTILL_SPEC, "teacher": f"job:{other_job}@1"}, "vocabulary_mismatch"),
+        ({**DISTILL_SPEC, "model": "other"}, "vocabulary_mismatch"),  # the built-in teacher, another student
+        ({**DISTILL_SPEC, "teacher": f"job:{rm_job}"}, "wrong_job_type"),
+        ({**DISTILL_SPEC, "teacher": "job:job_000000000000"}, "job_not_found"),
+        ({**DISTILL_SPEC, "teacher": str(tmp_path / "absent")}, "model_not_found"),
+        ({**DISTILL_SPEC, "teacher": "../other"}, "local_path_refused"),
+    ]
+    with TestClient(app, headers=project.headers) as client:
+        for spec, code in cases:
+            response = client.post("/v1/jobs", json=spec)
+            assert response.status_code == 422, response.text
+            error = error_of(response)
+            assert (error["code"], error["param"]) == (code, "teacher"), spec
+            if code == "vocabulary_mismatch":
+                assert error["message"] == vocabulary_mismatch("teacher")
+        assert calls.enqueued == []
+        for teacher in ("builtin:tiny", "same", f"job:{same_job}"):
+            response = client.post("/v1/jobs", json={**DISTILL_SPEC, "teacher": teacher})
+            assert response.status_code == 201, response.text
+            assert response.json()["spec"]["teacher"] == teacher
+        missing = client.post("/v1/jobs", json={**DISTILL_SPEC, "teacher": None})
+        assert (missing.status_code, error_of(missing)["code"]) == (422, "invalid_request")
+        assert "teacher is required for distill jobs" in error_of(missing)["message"]
+    assert len(calls.enqueued) == 3

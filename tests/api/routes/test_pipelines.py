@@ -161,3 +161,21 @@ def test_pipeline_keys_and_job_keys_never_meet(client: TestClient, calls: Calls)
     job_again = client.post("/v1/jobs", json=SFT_SPEC, headers={"Idempotency-Key": "p/sft"})
     assert job_again.status_code == 201 and job_again.json()["id"] != staged.json()["stages"]["sft"]["id"]
     assert len(set(calls.enqueued)) == 4
+
+
+def test_a_teacher_may_name_an_earlier_stage(client: TestClient, calls: Calls) -> None:
+    distill_spec = {"type": "distill", "model": "stage:student", "teacher": "stage:teacher"}
+    stages = {
+        "teacher": SFT_SPEC,
+        "student": {**SFT_SPEC, "hyperparameters": {"max_steps": 2}},
+        "distill": {**distill_spec, "dataset": "builtin:digits-prompts"},
+    }
+    response = submit(client, stages)
+    assert response.status_code == 201, response.text
+    jobs = response.json()["stages"]
+    distill = jobs["distill"]
+    assert (distill["status"], distill["spec"]["teacher"]) == ("waiting", f"job:{jobs['teacher']['id']}")
+    events = client.get(f"/v1/jobs/{distill['id']}/events").json()["data"]
+    assert any(f"waiting for job {jobs['student']['id']}, {jobs['teacher']['id']}" in e["message"] for e in events)
+    refused = submit(client, {**stages, "distill": {**stages["distill"], "teacher": "stage:later"}})
+    assert (error_of(refused)["code"], error_of(refused)["param"]) == ("stage_not_found", "stages.distill.teacher")

@@ -141,4 +141,4 @@ def test_a_reward_is_refused_for_types_that_take_none(client: TestClient) -> Non
         assert response.status_code == 422, response.text
         error = error_of(response)
         assert (error["param"], error["code"]) == ("eval_reward", "invalid_request")
-        assert "eval_reward applies to ppo and grpo jobs only" in error["message"]
+        assert "eval_reward applies to ppo, grpo and distill jobs only" in error["message"]

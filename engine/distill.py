@@ -1,0 +1,219 @@
+"""On-policy distillation: the trained policy (the student) learns a frozen teacher's behaviour on its own samples.
+
+One step = sample ``batch_size`` prompts ``group_size`` times from the student (each prompt prefilled once for its
+group), take the teacher's log-probs of the sampled tokens, and give each token the advantage of its own reverse-KL
+term, -(log π_student(y_t) - log π_teacher(y_t)): the per-token reward of GKD (Agarwal et al., arXiv:2306.13649) and
+of Thinking Machines' on-policy distillation (Lu et al., 2025), with discount 0 (no return), so that the policy
+gradient lowers the sampled reverse KL(student ‖ teacher). With a reward and ``reward_coef``, each sample's GRPO
+group advantage × ``reward_coef`` is added on its tokens. Then ``num_iterations`` passes of minibatch updates of the
+clipped surrogate (``ppo_clip``), no KL term beside: the teacher's pull is in the advantages. The teacher is the
+:class:`engine.learner.Learner`'s reference, so the rollout takes its log-probs as any reference's.
+
+In several processes, as in GRPO: each rank samples (and scores) its share of the prompts; the samples are gathered,
+so every rank computes the advantages over the whole batch, then trains on its share of every minibatch.
+"""
+
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from engine.callbacks import Callbacks
+from engine.config import DistillConfig, JobSpec, vocabulary_mismatch
+from engine.data import batch_indices
+from engine.distributed import Ranks
+from engine.graders import reward_metrics
+from engine.grpo import sequence_advantages
+from engine.learner import Learner, LossInputs, Objective, Tokens, accumulate, mean, run_updates
+from engine.loop import JobResult, Run, load_datasets, seed_everything
+from engine.models import check_fits, frozen, load_causal_lm, load_tokenizer, prepare
+from engine.online import RolloutRNG, held_out, open_policy, roll_out_rows
+from engine.policy_losses import LossSettings
+from engine.reward import same_vocabulary
+from engine.rewards import RewardFunction, eval_metrics, gathered, grader_scorer
+from engine.rollout import Rollout, Scorer, gather_rollout, logged_samples, samples_due
+
+MB_STATS = ("pg", "clip", "akl")
+"""Per-minibatch statistics: policy loss, clip fraction, approx-KL."""
+
+
+def distill_advantages(
+    logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    scores: torch.Tensor | None = None,
+    group_size: int = 1,
+    reward_coef: float = 0.0,
+) -> torch.Tensor:
+    """Advantages (N, T) of the sampled tokens: each kept token's own reverse-KL term, -(log π_student(y_t) -
+    log π_teacher(y_t)) (``logprobs``, ``teacher_logprobs``: (N, T)), plus with ``scores`` (N,) ``reward_coef`` ×
+    each sample's GRPO group advantage (engine/grpo.py) on every one of its kept tokens. Detached: the sampling
+    policy's log-probs are the old ones of the surrogate, not what it differentiates."""
+    advantages = teacher_logprobs - logprobs  # (N, T)
+    if scores is not None and reward_coef > 0:
+        advantages = advantages + reward_coef * sequence_advantages(scores, group_size, "grpo").unsqueeze(1)
+    return advantages.detach() * mask
+
+
+def no_reward(rows: Any, tokens: Tokens) -> tuple[torch.Tensor, None]:
+    """The scorer of a job without a reward: 0 for every sample."""
+    return torch.zeros(len(tokens), device=tokens.query_responses.device), None
+
+
+def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
+    cfg = spec.config
+    assert isinstance(cfg, DistillConfig) and spec.teacher is not None
+    seed_everything(spec.seed)
+    ranks = Ranks.current()
+    G = cfg.group_size
+
+    # Data: prompt rows (their other columns feed the graders); rank 0 evaluates. The teacher must read the
+    # student's token ids as the same text.
+    rows, eval_rows = load_datasets(spec, "prompts", ranks)
+    eval_rows = eval_rows[: cfg.eval_max_prompts]
+    run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows})
+    tokenizer = run.tokenizer
+    if not same_vocabulary(tokenizer, load_tokenizer(spec.teacher)):
+        raise ValueError(vocabulary_mismatch("teacher"))
+
+    # Models: the trained student, and the frozen teacher as its reference (the rollout takes its log-probs).
+    # Rewards, when given: the graders, their reward models loaded once.
+    learner, cfg = open_policy(run, cfg, device, [*rows, *eval_rows], False, cfg.batch_size * G)
+    teacher = frozen(prepare(load_causal_lm(spec.teacher, tokenizer, spec.seed), device, cfg.dtype, False))
+    longest = (cfg.max_prompt_length or 0) + cfg.response_length  # max_prompt_length: sized by open_policy
+    check_fits(teacher, longest, "max_prompt_length + response_length, in the teacher")
+    learner.reference = teacher
+    stop_token_ids = learner.sampling.stop_token_ids
+    reward = RewardFunction.of(spec.reward_grader, tokenizer, device, cfg.dtype, callbacks.should_stop)
+    eval_reward = RewardFunction.of(spec.eval_reward, tokenizer, device, cfg.dtype, callbacks.should_stop) or reward
+    scorer, eval_scorer = (
+        no_reward if r is None else grader_scorer(r, tokenizer, stop_token_ids) for r in (reward, eval_reward)
+    )
+    objective = Objective("ppo_clip", LossSettings(cfg.cliprange_low, cfg.cliprange_high), "token_mean")
+
+    start = learner.start_training(run, cfg, cfg.total_steps)
+    if start.finished:
+        return start.finished
+    rng = RolloutRNG(spec.seed, ranks, device, start.state)
+
+    for step in range(start.step + 1, cfg.total_steps + 1):
+        t0 = time.perf_counter()
+        # 1. rollout: each rank samples its share of the batch's prompts group_size times, with the teacher's
+        #    log-probs of the samples (and their scores, with a reward); every rank's samples are then gathered
+        batch_rows = [rows[i] for i in batch_indices(len(rows), cfg.batch_size, spec.seed, step - 1)]
+        share = ranks.share(cfg.batch_size)
+        ro, scored = roll_out_rows(
+            learner, tokenizer, cfg.max_prompt_length, scorer, batch_rows, rng.sampling, G, share=share
+        )
+        ro = gather_rollout(ro, ranks, tokenizer.pad_token_id)
+        scored = None if scored is None else gathered(scored, ranks, device)
+        t_rollout = time.perf_counter() - t0
+        if samples_due(step, cfg.log_samples_every):  # what the student says, kept every log_samples_every steps
+            rewards = {} if scored is None else {**scored.components, "total": scored.total}
+            callbacks.on_samples(step, logged_samples(tokenizer, ro, rewards, cfg.log_samples, stop_token_ids))
+
+        # 2. advantages: each token's own reverse-KL term (ref_logprobs: the teacher's), plus reward_coef × its
+        #    sample's group advantage
+        mask = ro.mask.float()  # (N, T)
+        advantages = distill_advantages(
+            ro.logprobs,
+            ro.ref_logprobs,
+            mask,
+            scores=None if scored is None else ro.scores,
+            group_size=G,
+            reward_coef=cfg.reward_coef,
+        )  # (N, T)
+
+        # 3. num_iterations passes over the samples in shuffled minibatches, one optimizer step each
+        learner.model.train()
+        minibatch = partial(student_gradients, learner, ro, advantages, mask, objective, cfg)
+        stats, _ = run_updates(
+            learner,
+            len(mask),
+            cfg.mini_batch_size,
+            cfg.num_iterations,
+            rng.shuffle,
+            minibatch,
+            finite=("pg",),
+            step=step,
+        )
+        lr = learner.schedule()
+
+        # 4. metrics, eval, step end
+        elapsed = time.perf_counter() - t0
+        tokens = mask.sum().item()
+        metrics = {} if scored is None else reward_metrics(scored)
+        metrics.update(
+            {
+                "distill/reverse_kl": ((ro.logprobs - ro.ref_logprobs) * mask).sum().item() / tokens,
+                "distill/teacher_logprob": (ro.ref_logprobs * mask).sum().item() / tokens,
+                "distill/student_logprob": (ro.logprobs * mask).sum().item() / tokens,
+                "loss/policy": mean(stats["pg"]),
+                "policy/clipfrac": mean(stats["clip"]),
+                "policy/approxkl": mean(stats["akl"]),
+                "response/length_mean": mask.sum(1).mean().item(),
+                "response/eos_fraction": ro.stopped.float().mean().item(),
+                "time/rollout_s": t_rollout,
+                "time/train_s": elapsed - t_rollout,
+                "time/step_s": elapsed,
+                "throughput/tokens_per_s": tokens / elapsed,
+                "lr": lr,
+                "grad_norm": mean(stats["gn"]),
+            }
+        )
+        if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
+            metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()
+        if eval_rows and run.eval_due(step, cfg.eval_every):
+            metrics.update(evaluate(learner, tokenizer, eval_scorer, eval_rows, cfg, spec.seed, device))
+        if result := run.end_step(step, metrics, {"policy": learner.model}, rng.state):
+            return result
+    raise AssertionError("unreachable: the last step ends the run")
+
+
+def student_gradients(
+    learner: Learner,
+    ro: Rollout,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    objective: Objective,
+    cfg: DistillConfig,
+    mb_inds: torch.Tensor,
+    update: int,
+) -> dict[str, float]:
+    """Forward and backward of the minibatch of samples ``mb_inds`` (per process: its share of them; ``update``,
+    its number in the step, plays no part), in micro-batches accumulating gradients: ``objective`` aggregated over
+    the whole minibatch. Returns :data:`MB_STATS` summed over the micro-batches and the ranks."""
+    ranks = learner.ranks
+    n_tokens, n_sequences = mask[mb_inds].sum(), len(mb_inds)
+    own = mb_inds[ranks.share(cfg.mini_batch_size)]
+
+    def micro(part: slice, last: bool) -> dict[str, torch.Tensor]:
+        inds = own[part]
+        inputs = LossInputs(ro.logprobs[inds], advantages[inds], mask[inds], n_sequences, n_tokens)
+        return learner.forward_backward(ro.tokens.rows(inds), objective, inputs, last)
+
+    return accumulate(len(own), cfg.micro_batch_size // ranks.world_size, MB_STATS, micro, ranks, mask.device)
+
+
+def evaluate(
+    learner: Learner,
+    tokenizer: PreTrainedTokenizerBase,
+    scorer: Scorer,
+    rows: list[dict[str, Any]],
+    cfg: DistillConfig,
+    seed: int,
+    device: torch.device,
+) -> dict[str, float]:
+    """Each held-out prompt sampled once, from its own fixed seed (training RNG untouched): the student's reverse KL
+    to the teacher per token (``eval/distill/reverse_kl``), ``eval/length_mean``, and with a reward of graders
+    (``scorer``'s) ``eval/reward`` and ``eval/reward/<name>`` per component."""
+    roll = partial(roll_out_rows, learner, tokenizer, cfg.max_prompt_length, scorer)
+    per_sample, scored = held_out(roll, rows, cfg.batch_size, seed, device)
+    metrics = {
+        "eval/distill/reverse_kl": (per_sample["kl"].sum() / per_sample["length"].sum()).item(),
+        "eval/length_mean": per_sample["length"].mean().item(),
+    }
+    return {**metrics, **(eval_metrics(scored) if scored else {})}
