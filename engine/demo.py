@@ -1,10 +1,12 @@
 """The built-in pipelines: SFT → reward model → PPO on the reviews task, or SFT → another method (``--method
-dpo``; ``--method grpo`` on the verifiable digits task), then a before/after table.
+dpo``; ``--method grpo`` on the verifiable digits task; ``--method distill``: SFT → GRPO as the teacher, then the
+SFT model distilled from it), then a before/after table.
 
 Judged on held-out prompts by the task's own rule (never used in training by the reviews methods; the digits
 task's GRPO is trained against that very rule, on other prompts): the share of accepted completions from the SFT
 model and from the trained policy, their reward-model scores (when a reward model was trained), and the policy's
-KL to the SFT reference on its own samples.
+KL to the SFT reference on its own samples (for distillation: its reverse KL to the teacher, and the teacher's
+own accuracy beside).
 """
 
 from collections.abc import Callable
@@ -16,7 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.builtin import reviews
-from engine.config import JOB_TYPES, JobSpec
+from engine.config import JOB_TYPES, MODEL_FIELDS, JobSpec
 from engine.data import encode_prompts, load_rows
 from engine.generate import sample
 from engine.models import (
@@ -65,11 +67,25 @@ TASKS = {
 SEED = 0
 TEMPERATURE = 1.0
 EVAL_PROMPTS = 256
+STAGE_PREFIX = "stage:"
+"""How a demo stage names another stage's model (the pipelines' spelling, ``POST /v1/pipelines``)."""
+
+
+def named_stages(method: str) -> dict[str, str]:
+    """The stages whose models ``method``'s demo stage names in its model fields (``"teacher": "stage:grpo"``):
+    field → stage."""
+    demo = JOB_TYPES[method].demo
+    return {
+        name: demo[name].removeprefix(STAGE_PREFIX)
+        for name in MODEL_FIELDS
+        if isinstance(demo.get(name), str) and demo[name].startswith(STAGE_PREFIX)
+    }
 
 
 def demo_specs(out: Path, method: str = "ppo") -> dict[str, dict[str, Any]]:
     """The job specs of the pipeline, each type's stage as its :data:`JOB_TYPES` entry gives it: SFT, a reward
-    model when ``method`` needs one, then ``method``; each later stage starts from the SFT folder."""
+    model when ``method`` needs one, the stages ``method``'s stage names (:func:`named_stages`; they stay named
+    ``stage:<name>`` there), then ``method``; each later stage starts from the SFT folder."""
     info = JOB_TYPES[method]
     needs_rm = info.reward_model and "reward" not in info.demo  # trained against a reward model
     sft = sft_stage(method)
@@ -79,7 +95,7 @@ def demo_specs(out: Path, method: str = "ppo") -> dict[str, dict[str, Any]]:
         specs[sft].update({k: v for k, v in task.sft.items() if k != "epochs"})
         specs[sft]["hyperparameters"] = {**specs[sft]["hyperparameters"], "epochs": task.sft["epochs"]}
     specs[sft]["model"] = "builtin:tiny"
-    for stage in (["rm"] if needs_rm else []) + [method]:
+    for stage in (["rm"] if needs_rm else []) + list(named_stages(method).values()) + [method]:
         specs[stage] = {"type": stage, "name": f"demo-{stage}", "seed": SEED, **JOB_TYPES[stage].demo,
                         "model": str(out / sft)}  # fmt: skip
     if needs_rm:
@@ -101,7 +117,8 @@ class PolicyReport:
     score: float | None
     """Mean reward-model score (None when the pipeline trained no reward model)."""
     kl: float
-    """Mean summed per-token log-ratio to the SFT reference on the policy's own samples."""
+    """Mean summed per-token log-ratio to the reference (the SFT model; a distilled policy's: its teacher) on the
+    policy's own samples."""
     length: float
     """Mean response length in tokens."""
 
@@ -163,31 +180,45 @@ class DemoReport:
     sft: PolicyReport
     trained: PolicyReport
     """The policy ``method`` trained."""
+    teacher: PolicyReport | None = None
+    """The teacher a distilled policy learnt from (its KL to itself: 0), None for other methods; the KL of the
+    other two is then to the teacher."""
+    teacher_stage: str | None = None
+    """The stage that trained the teacher."""
 
     def table(self) -> str:
         accuracy = "" if self.rm_eval_accuracy is None else f"; reward model eval accuracy {self.rm_eval_accuracy:.3f}"
+        columns = [self.sft, self.trained] + ([self.teacher] if self.teacher else [])
+        teacher = f"teacher ({(self.teacher_stage or '').upper()})" if self.teacher else ""
         lines = [
             f"Held-out evaluation: {self.prompts} prompts, temperature {TEMPERATURE}{accuracy}",
-            f"{'':<24}{'SFT':>10}{self.method.upper():>10}",
+            f"{'':<24}{'SFT':>10}{self.method.upper():>10}{teacher:>16}",
         ]
         for label, attribute in (
             (TASKS[self.task].label, "success"),
             ("reward model score", "score"),
-            ("KL to SFT reference", "kl"),
+            ("reverse KL to teacher" if self.teacher else "KL to SFT reference", "kl"),
             ("response length", "length"),
         ):
-            sft, trained = getattr(self.sft, attribute), getattr(self.trained, attribute)
-            if sft is not None:
-                lines.append(f"{label:<24}{sft:>10.3f}{trained:>10.3f}")
+            values = [getattr(report, attribute) for report in columns]
+            if values[0] is not None:
+                lines.append(
+                    f"{label:<24}" + "".join(f"{v:>{w}.3f}" for v, w in zip(values, (10, 10, 16), strict=False))
+                )
         return "\n".join(lines)
 
 
 def run_demo(out: Path, train: Callable[[JobSpec, Path, str], None], method: str = "ppo") -> DemoReport:
-    """Train the stages with ``train(spec, folder, label)``, then compare the SFT policy with ``method``'s."""
+    """Train the stages with ``train(spec, folder, label)`` (a ``stage:<name>`` naming that stage's folder), then
+    compare the SFT policy with ``method``'s, and with the teacher of a distilled policy."""
     for stage, data in demo_specs(out, method).items():
-        train(JobSpec.model_validate(data), out / stage, stage)
+        folders = {name: str(out / stage_name) for name, stage_name in named_stages(data["type"]).items()}
+        train(JobSpec.model_validate({**data, **folders}), out / stage, stage)
     sft_dir, trained_dir = resolve_model_ref(str(out / sft_stage(method))), resolve_model_ref(str(out / method))
     rm_dir = resolve_model_ref(str(out / "rm")) if "rm" in demo_specs(out, method) else None
+    teacher_stage = named_stages(method).get("teacher")
+    teacher_dir = resolve_model_ref(str(out / teacher_stage)) if teacher_stage else None
+    reference = teacher_dir or sft_dir
     task_name = JOB_TYPES[method].demo_task
     task = TASKS[task_name]
     rows = load_rows(task.eval_prompts, "prompts")[:EVAL_PROMPTS]
@@ -196,6 +227,8 @@ def run_demo(out: Path, train: Callable[[JobSpec, Path, str], None], method: str
         task=task_name,
         prompts=len(rows),
         rm_eval_accuracy=rm_accuracy(rm_dir) if rm_dir else None,
-        sft=evaluate_policy(sft_dir, sft_dir, rm_dir, rows, task),
-        trained=evaluate_policy(trained_dir, sft_dir, rm_dir, rows, task),
+        sft=evaluate_policy(sft_dir, reference, rm_dir, rows, task),
+        trained=evaluate_policy(trained_dir, reference, rm_dir, rows, task),
+        teacher=evaluate_policy(teacher_dir, teacher_dir, rm_dir, rows, task) if teacher_dir else None,
+        teacher_stage=teacher_stage,
     )
