@@ -965,7 +965,7 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
             "teacher": "stage:grpo",
             "eval_reward": digits.GRADER,
             "hyperparameters": {
-                "total_steps": 120,
+                "total_steps": 160,
                 "batch_size": 32,
                 "group_size": 4,
                 "mini_batch_size": 128,
@@ -973,7 +973,7 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
                 "learning_rate": 1e-3,
                 "lr_scheduler": "constant",
                 "response_length": 4,
-                "eval_every": 60,
+                "eval_every": 80,
             },
             "checkpoint_every": 50,
         },

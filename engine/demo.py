@@ -189,10 +189,10 @@ class DemoReport:
     def table(self) -> str:
         accuracy = "" if self.rm_eval_accuracy is None else f"; reward model eval accuracy {self.rm_eval_accuracy:.3f}"
         columns = [self.sft, self.trained] + ([self.teacher] if self.teacher else [])
-        teacher = f"teacher ({(self.teacher_stage or '').upper()})" if self.teacher else ""
+        teacher = f"{'teacher (' + (self.teacher_stage or '').upper() + ')':>16}" if self.teacher else ""
         lines = [
             f"Held-out evaluation: {self.prompts} prompts, temperature {TEMPERATURE}{accuracy}",
-            f"{'':<24}{'SFT':>10}{self.method.upper():>10}{teacher:>16}",
+            f"{'':<24}{'SFT':>10}{self.method.upper():>10}{teacher}",
         ]
         for label, attribute in (
             (TASKS[self.task].label, "success"),
