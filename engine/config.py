@@ -649,6 +649,12 @@ class DistillConfig(TrainConfig):
     """The ratio is clipped below at 1 - cliprange_low."""
     cliprange_high: Annotated[float, Field(gt=0, le=10)] = 0.2
     """The ratio is clipped above at 1 + cliprange_high."""
+    policy_loss: PolicyLossName = "ppo_clip"
+    """The student's loss on each token (engine/policy_losses.py), as GRPOConfig's: ``ppo_clip``,
+    ``importance_sampling``, ``cispo`` or ``gspo``; the loss is the token mean over the minibatch."""
+    dual_clip: DualClip | None = None
+    """Caps the loss of a token with a negative advantage at ``dual_clip`` × |A| (``ppo_clip`` and ``gspo``), as
+    GRPOConfig's (None: no cap)."""
     reward_coef: Annotated[float, Field(ge=0, le=100)] = 0.0
     """Weight of the job's optional ``reward`` (or ``reward_model``) in the advantage: each sample's GRPO group
     advantage ((r - group mean) / group std) × this is added to every one of its tokens' reverse-KL terms. 0: pure
@@ -673,6 +679,11 @@ class DistillConfig(TrainConfig):
     def micro_batch_size(self) -> int:
         return self.mini_batch_size // self.gradient_accumulation_steps
 
+    @property
+    def loss_settings(self) -> LossSettings:
+        """The settings of ``policy_loss``: the ratio clipped to [1 - ``cliprange_low``, 1 + ``cliprange_high``]."""
+        return LossSettings(clip_low=self.cliprange_low, clip_high=self.cliprange_high, dual_clip=self.dual_clip)
+
     @model_validator(mode="after")
     def _divides(self) -> "DistillConfig":
         samples = self.batch_size * self.group_size
@@ -681,6 +692,7 @@ class DistillConfig(TrainConfig):
             "mini_batch_size", self.mini_batch_size, "gradient_accumulation_steps", self.gradient_accumulation_steps
         )
         _check_micro_batch("mini_batch_size", self.micro_batch_size)
+        _check_dual_clip(self.policy_loss, self.dual_clip)
         if self.reward_coef > 0 and self.group_size < 2:
             raise ValueError(
                 "reward_coef mixes in each sample's advantage over its group: group_size must be at least 2"

@@ -6,7 +6,8 @@ term, -(log π_student(y_t) - log π_teacher(y_t)): the per-token reward of GKD 
 of Thinking Machines' on-policy distillation (Lu et al., 2025), with discount 0 (no return), so that the policy
 gradient lowers the sampled reverse KL(student ‖ teacher). With a reward and ``reward_coef``, each sample's GRPO
 group advantage × ``reward_coef`` is added on its tokens. Then ``num_iterations`` passes of minibatch updates of the
-clipped surrogate (``ppo_clip``), no KL term beside: the teacher's pull is in the advantages. The teacher is the
+job's ``policy_loss`` (default ``ppo_clip``, the clipped surrogate), no KL term beside: the teacher's pull is in
+the advantages. The teacher is the
 :class:`engine.learner.Learner`'s reference, so the rollout takes its log-probs as any reference's.
 
 In several processes, as in GRPO: each rank samples (and scores) its share of the prompts; the samples are gathered,
@@ -31,7 +32,6 @@ from engine.learner import Learner, LossInputs, Objective, Tokens, accumulate, m
 from engine.loop import JobResult, Run, load_datasets, seed_everything
 from engine.models import check_fits, frozen, load_causal_lm, load_tokenizer, prepare
 from engine.online import RolloutRNG, held_out, open_policy, roll_out_rows
-from engine.policy_losses import LossSettings
 from engine.reward import same_vocabulary
 from engine.rewards import RewardFunction, eval_metrics, gathered, grader_scorer
 from engine.rollout import Rollout, Scorer, gather_rollout, logged_samples, samples_due
@@ -92,7 +92,7 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
     scorer, eval_scorer = (
         no_reward if r is None else grader_scorer(r, tokenizer, stop_token_ids) for r in (reward, eval_reward)
     )
-    objective = Objective("ppo_clip", LossSettings(cfg.cliprange_low, cfg.cliprange_high), "token_mean")
+    objective = Objective(cfg.policy_loss, cfg.loss_settings, "token_mean")
 
     start = learner.start_training(run, cfg, cfg.total_steps)
     if start.finished:

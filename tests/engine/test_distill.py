@@ -17,6 +17,7 @@ from engine.config import JobSpec, vocabulary_mismatch
 from engine.data import load_rows
 from engine.distill import distill_advantages
 from engine.grpo import STD_EPS
+from engine.policy_losses import POLICY_LOSSES
 from tests.engine.helpers import COMMON_METRICS, assert_all_finite, final_model_dir, is_timing, load_weights, train
 from tests.models import build_model, write_jsonl
 from tests.recorder import Recorder
@@ -234,6 +235,15 @@ def test_pause_and_resume_with_a_reward_matches_an_uninterrupted_run(
     assert reference.metrics[2]["policy/approxkl"] > 0  # the second pass is off-policy
     a, b = load_weights(final_model_dir(tmp_path / "straight")), load_weights(final_model_dir(tmp_path / "resumed"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("policy_loss", list(POLICY_LOSSES))
+def test_every_policy_loss_trains(digits_sft: Path, tmp_path: Path, policy_loss: str) -> None:
+    hyperparameters = {"policy_loss": policy_loss, "num_iterations": 2, "total_steps": 1}
+    result, rec = train(distill_spec(digits_sft, hyperparameters=hyperparameters), tmp_path / "job")
+    assert result.status == "succeeded"
+    assert_all_finite(rec.metrics)
+    assert rec.metrics[1]["policy/approxkl"] > 0  # the second pass is off-policy
 
 
 # 4. ---------------------------------------------------------------------------------------------------------
