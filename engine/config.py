@@ -445,10 +445,10 @@ class PPOConfig(TrainConfig):
         return data
 
 
-class GRPOConfig(TrainConfig):
-    """Critic-free RL: several samples per prompt, each scored by the job's ``reward``, the advantage taken
-    against the other samples of its prompt (or the batch), a clipped surrogate loss, an optional KL pull to the
-    starting policy (Shao et al., arXiv:2402.03300, and the estimators of ``advantage_estimator``)."""
+class GroupSamplingConfig(TrainConfig):
+    """What the methods that sample their own training data in groups share (GRPO and its relatives,
+    distillation): each step samples ``batch_size`` prompts ``group_size`` times, then ``num_iterations`` passes of
+    minibatch updates of ``policy_loss``."""
 
     def process_shares(self, processes: int) -> dict[str, int]:
         # prompts are rolled out split over the processes, samples trained on in minibatches split likewise
@@ -471,11 +471,6 @@ class GRPOConfig(TrainConfig):
     num_iterations: Annotated[int, Field(ge=1, le=100)] = 1
     """Passes over each step's samples (GRPO's μ); with 1 every update is on-policy and the ratio stays 1 in
     its first minibatch."""
-    advantage_estimator: Estimator = "grpo"
-    """``grpo``: (r - group mean) / group std; ``dr_grpo``: r - group mean (Liu et al., arXiv:2503.20783);
-    ``rloo``: r - the mean of the prompt's other samples (Ahmadian et al., arXiv:2402.14740);
-    ``reinforce_pp``: the return of the score and the KL rewards, whitened over the batch (Hu,
-    arXiv:2501.03262); ``reinforce_pp_baseline``: the same, the group mean subtracted from the score first."""
     max_prompt_length: Annotated[int, Field(ge=1, le=131_072)] | None = None
     """Prompts longer than this many tokens keep their last ones, and a warning event counts them (how many, the
     longest, the limit). None: the longest prompt of the dataset and eval dataset, capped by the model's context
@@ -483,7 +478,7 @@ class GRPOConfig(TrainConfig):
     response_length: Annotated[int, Field(ge=1, le=65_536)] = 32
     """Tokens sampled per response at most (sampling ends once every response stopped)."""
     temperature: Annotated[float, Field(gt=0, le=10)] = 1.0
-    """Sampling temperature; log-probs in training use the same temperature."""
+    """Sampling temperature; the log-probs of training (and a distillation's teacher's) are taken at it."""
     top_k: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     """Sample from the k most likely tokens only (0: the whole vocabulary)."""
     stop_token: StopToken | None = "eos"
@@ -491,16 +486,6 @@ class GRPOConfig(TrainConfig):
     transformers' ``generate`` stops (its generation config's ``eos_token_id``, e.g. Llama 3's ``<|eot_id|>``, and
     the tokenizer's EOS); a token of the vocabulary (e.g. ``"<|im_end|>"``): that token alone, checked when the job
     starts; None: never truncate."""
-    kl_coef: Annotated[float, Field(ge=0, le=100)] = 0.04
-    """β of the KL to the reference (the starting policy); 0: no reference is loaded at all."""
-    kl_estimator: KLEstimator | None = None
-    """Per-token estimator of the KL as a loss term (http://joschu.net/blog/kl-approx.html): k1 = log π - log π_ref,
-    k2 = ½ k1², k3 = e^-k1 - 1 + k1. None: k3 (GRPO's) as a loss term, and k1 in the reward, the only one accepted
-    there (k1's policy gradient is the KL's own; that of k2 and k3 cancels to first order near the reference).
-    k1 as a loss term has zero expected gradient on-policy: accepted, with a ``warning`` event when the job starts."""
-    kl_in_reward: bool | None = None
-    """Where the KL enters: as a penalty in the reward (its return added to the advantage), or as a loss term
-    β·KL. None: in the reward for the ``reinforce_pp`` estimators, as a loss term for the others."""
     cliprange_low: Annotated[float, Field(gt=0, lt=1)] = 0.2
     """The ratio is clipped below at 1 - cliprange_low."""
     cliprange_high: Annotated[float, Field(gt=0, le=10)] = 0.2
@@ -523,20 +508,8 @@ class GRPOConfig(TrainConfig):
     """Dual-clip PPO (Ye et al., arXiv:1912.09729): the loss of a token with a negative advantage is capped at
     ``dual_clip`` × |A|, so a ratio far above 1 (a token much likelier now than when it was sampled) cannot make
     the loss unbounded; verl's default is 3. ``ppo_clip`` and ``gspo`` only. None: no cap."""
-    loss_aggregation: Aggregation | None = None
-    """How per-token losses become the minibatch's loss: ``token_mean`` (every token alike), ``sequence_mean``
-    (each response's mean, then the mean over responses: the GRPO paper's), ``constant`` (the sum over
-    (responses × response_length): Dr. GRPO's, no length bias). None: ``constant`` for ``dr_grpo``,
-    ``token_mean`` otherwise."""
-    eval_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
-    """With an eval dataset: sample each of its prompts once every this many steps (and at the end) and report
-    ``eval/reward`` and its components by ``eval_reward`` (default: the training reward)."""
     eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
     """Use at most this many eval prompts (the first ones)."""
-
-    log_samples_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = 10
-    """Keep a sample of the rollouts (prompt, response, each reward component, KL, length) at step 1 and every this
-    many steps, for ``GET /v1/jobs/{id}/samples`` and the dashboard (None: none kept)."""
     log_samples: Annotated[int, Field(ge=1, le=256)] = 16
     """Samples kept per logged step: the first ones of the batch, whole groups first."""
     cuda_graphs: bool = True
@@ -554,6 +527,54 @@ class GRPOConfig(TrainConfig):
     @property
     def micro_batch_size(self) -> int:
         return self.mini_batch_size // self.gradient_accumulation_steps
+
+    @property
+    def loss_settings(self) -> LossSettings:
+        """The settings of ``policy_loss``: the ratio clipped to [1 - ``cliprange_low``, 1 + ``cliprange_high``]."""
+        return LossSettings(clip_low=self.cliprange_low, clip_high=self.cliprange_high, dual_clip=self.dual_clip)
+
+    def _check_batches(self) -> None:
+        """The batch sizes divide as the minibatches and micro-batches need; ``dual_clip`` suits ``policy_loss``."""
+        samples = self.batch_size * self.group_size
+        _check_divides("batch_size × group_size", samples, "mini_batch_size", self.mini_batch_size)
+        _check_divides(
+            "mini_batch_size", self.mini_batch_size, "gradient_accumulation_steps", self.gradient_accumulation_steps
+        )
+        _check_micro_batch("mini_batch_size", self.micro_batch_size)
+        _check_dual_clip(self.policy_loss, self.dual_clip)
+
+
+class GRPOConfig(GroupSamplingConfig):
+    """Critic-free RL: several samples per prompt, each scored by the job's ``reward``, the advantage taken
+    against the other samples of its prompt (or the batch), a clipped surrogate loss, an optional KL pull to the
+    starting policy (Shao et al., arXiv:2402.03300, and the estimators of ``advantage_estimator``)."""
+
+    advantage_estimator: Estimator = "grpo"
+    """``grpo``: (r - group mean) / group std; ``dr_grpo``: r - group mean (Liu et al., arXiv:2503.20783);
+    ``rloo``: r - the mean of the prompt's other samples (Ahmadian et al., arXiv:2402.14740);
+    ``reinforce_pp``: the return of the score and the KL rewards, whitened over the batch (Hu,
+    arXiv:2501.03262); ``reinforce_pp_baseline``: the same, the group mean subtracted from the score first."""
+    kl_coef: Annotated[float, Field(ge=0, le=100)] = 0.04
+    """β of the KL to the reference (the starting policy); 0: no reference is loaded at all."""
+    kl_estimator: KLEstimator | None = None
+    """Per-token estimator of the KL as a loss term (http://joschu.net/blog/kl-approx.html): k1 = log π - log π_ref,
+    k2 = ½ k1², k3 = e^-k1 - 1 + k1. None: k3 (GRPO's) as a loss term, and k1 in the reward, the only one accepted
+    there (k1's policy gradient is the KL's own; that of k2 and k3 cancels to first order near the reference).
+    k1 as a loss term has zero expected gradient on-policy: accepted, with a ``warning`` event when the job starts."""
+    kl_in_reward: bool | None = None
+    """Where the KL enters: as a penalty in the reward (its return added to the advantage), or as a loss term
+    β·KL. None: in the reward for the ``reinforce_pp`` estimators, as a loss term for the others."""
+    loss_aggregation: Aggregation | None = None
+    """How per-token losses become the minibatch's loss: ``token_mean`` (every token alike), ``sequence_mean``
+    (each response's mean, then the mean over responses: the GRPO paper's), ``constant`` (the sum over
+    (responses × response_length): Dr. GRPO's, no length bias). None: ``constant`` for ``dr_grpo``,
+    ``token_mean`` otherwise."""
+    eval_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    """With an eval dataset: sample each of its prompts once every this many steps (and at the end) and report
+    ``eval/reward`` and its components by ``eval_reward`` (default: the training reward)."""
+    log_samples_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = 10
+    """Keep a sample of the rollouts (prompt, response, each reward component, KL, length) at step 1 and every this
+    many steps, for ``GET /v1/jobs/{id}/samples`` and the dashboard (None: none kept)."""
 
     @property
     def kl_as_reward(self) -> bool:
@@ -577,19 +598,9 @@ class GRPOConfig(TrainConfig):
             return self.loss_aggregation
         return "constant" if self.advantage_estimator == "dr_grpo" else "token_mean"
 
-    @property
-    def loss_settings(self) -> LossSettings:
-        """The settings of ``policy_loss``: the ratio clipped to [1 - ``cliprange_low``, 1 + ``cliprange_high``]."""
-        return LossSettings(clip_low=self.cliprange_low, clip_high=self.cliprange_high, dual_clip=self.dual_clip)
-
     @model_validator(mode="after")
     def _divides(self) -> "GRPOConfig":
-        samples = self.batch_size * self.group_size
-        _check_divides("batch_size × group_size", samples, "mini_batch_size", self.mini_batch_size)
-        _check_divides(
-            "mini_batch_size", self.mini_batch_size, "gradient_accumulation_steps", self.gradient_accumulation_steps
-        )
-        _check_micro_batch("mini_batch_size", self.micro_batch_size)
+        self._check_batches()
         if self.group_size < 2 and self.advantage_estimator != "reinforce_pp":
             raise ValueError(
                 f"advantage_estimator {self.advantage_estimator} compares the samples of a prompt: group_size must "
@@ -601,60 +612,18 @@ class GRPOConfig(TrainConfig):
                 f"reinforce_pp estimators): {_kl_in_reward_reason(self.kl_estimator)}, and the one used when "
                 "kl_estimator is left out; to use k3, put the KL in the loss with kl_in_reward false"
             )
-        _check_dual_clip(self.policy_loss, self.dual_clip)
         return self
 
 
-class DistillConfig(TrainConfig):
+class DistillConfig(GroupSamplingConfig):
     """On-policy distillation (Agarwal et al., arXiv:2306.13649; Lu et al., Thinking Machines, "On-policy
     distillation", 2025): the trained policy (the student) samples, the frozen ``teacher`` gives the log-prob of each
     sampled token, and each token's advantage is its own reverse-KL term -(log π_student - log π_teacher) (discount
     0), plus ``reward_coef`` × the group advantage of the job's ``reward`` when it has one; the update is GRPO's
     clipped surrogate."""
 
-    def process_shares(self, processes: int) -> dict[str, int]:
-        # prompts are rolled out split over the processes, samples trained on in minibatches split likewise
-        return {"batch_size": processes, "mini_batch_size": processes * self.gradient_accumulation_steps}
-
-    def token_lengths(self) -> dict[str, tuple[str, int]]:
-        tokens = (self.max_prompt_length or 1) + self.response_length  # null: at least a one-token prompt
-        return {"hyperparameters.response_length": ("max_prompt_length + response_length", tokens)}
-
-    learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-5
-    """Student AdamW learning rate."""
-    total_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
-    """Steps; one step samples ``batch_size`` prompts ``group_size`` times each and trains on them."""
-    batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)] = 16
-    """Prompts per step."""
     group_size: Annotated[int, Field(ge=1, le=1024)] = 4
     """Samples per prompt; each prompt is prefilled once for its whole group."""
-    mini_batch_size: Annotated[int, Field(ge=1, le=1_048_576)] = 64
-    """Samples per optimizer step; ``batch_size × group_size`` must be a multiple of it."""
-    num_iterations: Annotated[int, Field(ge=1, le=100)] = 1
-    """Passes over each step's samples; with 1 every update is on-policy and the ratio stays 1 in its first
-    minibatch."""
-    max_prompt_length: Annotated[int, Field(ge=1, le=131_072)] | None = None
-    """Prompts longer than this many tokens keep their last ones, and a warning event counts them. None: the
-    longest prompt of the dataset and eval dataset, capped by the model's context minus ``response_length``."""
-    response_length: Annotated[int, Field(ge=1, le=65_536)] = 32
-    """Tokens sampled per response at most (sampling ends once every response stopped)."""
-    temperature: Annotated[float, Field(gt=0, le=10)] = 1.0
-    """Sampling temperature; the student's and the teacher's log-probs are both taken at it."""
-    top_k: Annotated[int, Field(ge=0, le=1_000_000)] = 0
-    """Sample from the k most likely tokens only (0: the whole vocabulary)."""
-    stop_token: StopToken | None = "eos"
-    """Truncate each response after its first stop token: ``"eos"`` (the model's end tokens), a token of the
-    vocabulary, or None (never truncate); as GRPOConfig's."""
-    cliprange_low: Annotated[float, Field(gt=0, lt=1)] = 0.2
-    """The ratio is clipped below at 1 - cliprange_low."""
-    cliprange_high: Annotated[float, Field(gt=0, le=10)] = 0.2
-    """The ratio is clipped above at 1 + cliprange_high."""
-    policy_loss: PolicyLossName = "ppo_clip"
-    """The student's loss on each token (engine/policy_losses.py), as GRPOConfig's: ``ppo_clip``,
-    ``importance_sampling``, ``cispo`` or ``gspo``; the loss is the token mean over the minibatch."""
-    dual_clip: DualClip | None = None
-    """Caps the loss of a token with a negative advantage at ``dual_clip`` × |A| (``ppo_clip`` and ``gspo``), as
-    GRPOConfig's (None: no cap)."""
     reward_coef: Annotated[float, Field(ge=0, le=100)] = 0.0
     """Weight of the job's optional ``reward`` (or ``reward_model``) in the advantage: each sample's GRPO group
     advantage ((r - group mean) / group std) × this is added to every one of its tokens' reverse-KL terms. 0: pure
@@ -662,37 +631,13 @@ class DistillConfig(TrainConfig):
     eval_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     """With an eval dataset: sample each of its prompts once every this many steps (and at the end) and report
     ``eval/distill/reverse_kl`` and, with a reward or ``eval_reward``, ``eval/reward``."""
-    eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
-    """Use at most this many eval prompts (the first ones)."""
     log_samples_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = 10
     """Keep a sample of the rollouts (prompt, response, reward components, summed reverse KL to the teacher,
     length) at step 1 and every this many steps (None: none kept)."""
-    log_samples: Annotated[int, Field(ge=1, le=256)] = 16
-    """Samples kept per logged step: the first ones of the batch, whole groups first."""
-    cuda_graphs: bool = True
-    """On CUDA, sample with static KV caches and each decoding step captured as a CUDA graph, as GRPOConfig's.
-    No effect on CPU."""
-    torch_compile: bool = False
-    """Compile the student's training forward (and so the backward) with ``torch.compile``, as GRPOConfig's."""
-
-    @property
-    def micro_batch_size(self) -> int:
-        return self.mini_batch_size // self.gradient_accumulation_steps
-
-    @property
-    def loss_settings(self) -> LossSettings:
-        """The settings of ``policy_loss``: the ratio clipped to [1 - ``cliprange_low``, 1 + ``cliprange_high``]."""
-        return LossSettings(clip_low=self.cliprange_low, clip_high=self.cliprange_high, dual_clip=self.dual_clip)
 
     @model_validator(mode="after")
     def _divides(self) -> "DistillConfig":
-        samples = self.batch_size * self.group_size
-        _check_divides("batch_size × group_size", samples, "mini_batch_size", self.mini_batch_size)
-        _check_divides(
-            "mini_batch_size", self.mini_batch_size, "gradient_accumulation_steps", self.gradient_accumulation_steps
-        )
-        _check_micro_batch("mini_batch_size", self.micro_batch_size)
-        _check_dual_clip(self.policy_loss, self.dual_clip)
+        self._check_batches()
         if self.reward_coef > 0 and self.group_size < 2:
             raise ValueError(
                 "reward_coef mixes in each sample's advantage over its group: group_size must be at least 2"

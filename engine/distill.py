@@ -25,19 +25,23 @@ from transformers import PreTrainedTokenizerBase
 from engine.callbacks import Callbacks
 from engine.config import DistillConfig, JobSpec, vocabulary_mismatch
 from engine.data import batch_indices
-from engine.distributed import Ranks
 from engine.graders import reward_metrics
 from engine.grpo import sequence_advantages
-from engine.learner import Learner, LossInputs, Objective, Tokens, accumulate, mean, run_updates
-from engine.loop import JobResult, Run, load_datasets, seed_everything
+from engine.learner import Learner, Objective, Tokens, run_updates
+from engine.loop import JobResult, seed_everything
 from engine.models import check_fits, frozen, load_causal_lm, load_tokenizer, prepare
-from engine.online import RolloutRNG, held_out, open_policy, roll_out_rows
+from engine.online import (
+    RolloutRNG,
+    held_out,
+    open_policy,
+    open_prompts,
+    policy_gradients,
+    roll_out_rows,
+    update_metrics,
+)
 from engine.reward import same_vocabulary
 from engine.rewards import RewardFunction, eval_metrics, gathered, grader_scorer
-from engine.rollout import Rollout, Scorer, gather_rollout, logged_samples, samples_due
-
-MB_STATS = ("pg", "clip", "akl")
-"""Per-minibatch statistics: policy loss, clip fraction, approx-KL."""
+from engine.rollout import Scorer, gather_rollout, logged_samples, samples_due
 
 
 def distill_advantages(
@@ -67,15 +71,12 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
     cfg = spec.config
     assert isinstance(cfg, DistillConfig) and spec.teacher is not None
     seed_everything(spec.seed)
-    ranks = Ranks.current()
     G = cfg.group_size
 
     # Data: prompt rows (their other columns feed the graders); rank 0 evaluates. The teacher must read the
     # student's token ids as the same text.
-    rows, eval_rows = load_datasets(spec, "prompts", ranks)
-    eval_rows = eval_rows[: cfg.eval_max_prompts]
-    run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows})
-    tokenizer = run.tokenizer
+    run, rows, eval_rows = open_prompts(spec, out_dir, callbacks, cfg.eval_max_prompts)
+    tokenizer, ranks = run.tokenizer, run.ranks
     if not same_vocabulary(tokenizer, load_tokenizer(spec.teacher)):
         raise ValueError(vocabulary_mismatch("teacher"))
 
@@ -129,7 +130,7 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
 
         # 3. num_iterations passes over the samples in shuffled minibatches, one optimizer step each
         learner.model.train()
-        minibatch = partial(student_gradients, learner, ro, advantages, mask, objective, cfg)
+        minibatch = partial(policy_gradients, learner, ro, advantages, mask, objective, cfg)
         stats, _ = run_updates(
             learner,
             len(mask),
@@ -146,24 +147,12 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
         elapsed = time.perf_counter() - t0
         tokens = mask.sum().item()
         metrics = {} if scored is None else reward_metrics(scored)
-        metrics.update(
-            {
-                "distill/reverse_kl": ((ro.logprobs - ro.ref_logprobs) * mask).sum().item() / tokens,
-                "distill/teacher_logprob": (ro.ref_logprobs * mask).sum().item() / tokens,
-                "distill/student_logprob": (ro.logprobs * mask).sum().item() / tokens,
-                "loss/policy": mean(stats["pg"]),
-                "policy/clipfrac": mean(stats["clip"]),
-                "policy/approxkl": mean(stats["akl"]),
-                "response/length_mean": mask.sum(1).mean().item(),
-                "response/eos_fraction": ro.stopped.float().mean().item(),
-                "time/rollout_s": t_rollout,
-                "time/train_s": elapsed - t_rollout,
-                "time/step_s": elapsed,
-                "throughput/tokens_per_s": tokens / elapsed,
-                "lr": lr,
-                "grad_norm": mean(stats["gn"]),
-            }
-        )
+        metrics.update({
+            "distill/reverse_kl": ((ro.logprobs - ro.ref_logprobs) * mask).sum().item() / tokens,
+            "distill/teacher_logprob": (ro.ref_logprobs * mask).sum().item() / tokens,
+            "distill/student_logprob": (ro.logprobs * mask).sum().item() / tokens,
+            **update_metrics(ro, mask, stats, lr, t_rollout, elapsed),
+        })  # fmt: skip
         if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
             metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()
         if eval_rows and run.eval_due(step, cfg.eval_every):
@@ -171,31 +160,6 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
         if result := run.end_step(step, metrics, {"policy": learner.model}, rng.state):
             return result
     raise AssertionError("unreachable: the last step ends the run")
-
-
-def student_gradients(
-    learner: Learner,
-    ro: Rollout,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    objective: Objective,
-    cfg: DistillConfig,
-    mb_inds: torch.Tensor,
-    update: int,
-) -> dict[str, float]:
-    """Forward and backward of the minibatch of samples ``mb_inds`` (per process: its share of them; ``update``,
-    its number in the step, plays no part), in micro-batches accumulating gradients: ``objective`` aggregated over
-    the whole minibatch. Returns :data:`MB_STATS` summed over the micro-batches and the ranks."""
-    ranks = learner.ranks
-    n_tokens, n_sequences = mask[mb_inds].sum(), len(mb_inds)
-    own = mb_inds[ranks.share(cfg.mini_batch_size)]
-
-    def micro(part: slice, last: bool) -> dict[str, torch.Tensor]:
-        inds = own[part]
-        inputs = LossInputs(ro.logprobs[inds], advantages[inds], mask[inds], n_sequences, n_tokens)
-        return learner.forward_backward(ro.tokens.rows(inds), objective, inputs, last)
-
-    return accumulate(len(own), cfg.micro_batch_size // ranks.world_size, MB_STATS, micro, ranks, mask.device)
 
 
 def evaluate(

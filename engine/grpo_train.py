@@ -24,32 +24,33 @@ from transformers import PreTrainedTokenizerBase
 from engine.callbacks import Callbacks
 from engine.config import K1_LOSS_TERM_WARNING, GRPOConfig, JobSpec
 from engine.data import batch_indices
-from engine.distributed import Ranks
 from engine.graders import RewardScores, reward_metrics
 from engine.grpo import tied_groups, token_advantages
-from engine.learner import Learner, LossInputs, Objective, accumulate, mean, run_updates
-from engine.loop import JobResult, Run, load_datasets, seed_everything
-from engine.online import RolloutRNG, evaluate, open_policy, roll_out_rows
+from engine.learner import Objective, mean, run_updates
+from engine.loop import JobResult, seed_everything
+from engine.online import (
+    RolloutRNG,
+    evaluate,
+    open_policy,
+    open_prompts,
+    policy_gradients,
+    roll_out_rows,
+    update_metrics,
+)
 from engine.ppo import kl_per_token
 from engine.rewards import RewardFunction, gathered, grader_scorer
 from engine.rollout import Rollout, gather_rollout, logged_samples, samples_due
-
-MB_STATS = ("pg", "kl", "clip", "akl")
-"""Per-minibatch statistics: policy loss, KL loss term, clip fraction, approx-KL."""
 
 
 def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
     cfg = spec.config
     assert isinstance(cfg, GRPOConfig) and spec.reward_grader is not None
     seed_everything(spec.seed)
-    ranks = Ranks.current()
     G = cfg.group_size
 
     # Data: prompt rows (their other columns feed the graders); rank 0 evaluates
-    rows, eval_rows = load_datasets(spec, "prompts", ranks)
-    eval_rows = eval_rows[: cfg.eval_max_prompts]
-    run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows})
-    tokenizer = run.tokenizer
+    run, rows, eval_rows = open_prompts(spec, out_dir, callbacks, cfg.eval_max_prompts)
+    tokenizer, ranks = run.tokenizer, run.ranks
 
     # Models: the trained policy, its frozen reference (none when kl_coef is 0). Rewards: the graders, their
     # reward models loaded once.
@@ -108,18 +109,8 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         metrics.update({
             "objective/kl": kl.sum(1).mean().item(),
             "groups/tied_fraction": tied_groups(ro.scores, G, cfg.advantage_estimator).item(),
-            "loss/policy": mean(stats["pg"]),
             "loss/kl": mean(stats["kl"]),
-            "policy/clipfrac": mean(stats["clip"]),
-            "policy/approxkl": mean(stats["akl"]),
-            "response/length_mean": mask.sum(1).mean().item(),
-            "response/eos_fraction": ro.stopped.float().mean().item(),
-            "time/rollout_s": t_rollout,
-            "time/train_s": elapsed - t_rollout,
-            "time/step_s": elapsed,
-            "throughput/tokens_per_s": mask.sum().item() / elapsed,
-            "lr": lr,
-            "grad_norm": mean(stats["gn"]),
+            **update_metrics(ro, mask, stats, lr, t_rollout, elapsed),
         })  # fmt: skip
         if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
             metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()
@@ -130,27 +121,6 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         if result := run.end_step(step, metrics, {"policy": learner.model}, rng.state):
             return result
     raise AssertionError("unreachable: the last step ends the run")
-
-
-def policy_gradients(
-    learner: Learner, ro: Rollout, advantages: torch.Tensor, mask: torch.Tensor, objective: Objective,
-    cfg: GRPOConfig, mb_inds: torch.Tensor, update: int,
-) -> dict[str, float]:  # fmt: skip
-    """Forward and backward of the minibatch of samples ``mb_inds`` (per process: its share of them; ``update``,
-    its number in the step, plays no part), in
-    micro-batches accumulating gradients: ``objective`` aggregated over the whole minibatch. Returns
-    :data:`MB_STATS` summed over the micro-batches and the ranks; the optimizer step is the caller's."""
-    ranks = learner.ranks
-    n_tokens, n_sequences = mask[mb_inds].sum(), len(mb_inds)
-    own = mb_inds[ranks.share(cfg.mini_batch_size)]
-
-    def micro(part: slice, last: bool) -> dict[str, torch.Tensor]:
-        inds = own[part]
-        inputs = LossInputs(ro.logprobs[inds], advantages[inds], mask[inds], n_sequences, n_tokens,
-                            ro.ref_logprobs[inds])  # fmt: skip
-        return learner.forward_backward(ro.tokens.rows(inds), objective, inputs, last)
-
-    return accumulate(len(own), cfg.micro_batch_size // ranks.world_size, MB_STATS, micro, ranks, mask.device)
 
 
 def grpo_samples(

@@ -4,18 +4,20 @@ PPO's critic with the scorer of its reward.
 """
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.config import DistillConfig, GRPOConfig, PPOConfig
+from engine.callbacks import Callbacks
+from engine.config import DistillConfig, GroupSamplingConfig, GRPOConfig, JobSpec, PPOConfig
 from engine.data import encode_prompts
 from engine.distributed import Ranks
 from engine.generate import decode_warning, job_decoder
 from engine.graders import ModelGrader, RewardScores, Samples
-from engine.learner import Learner, Reference, Sampling
-from engine.loop import Run
+from engine.learner import Learner, LossInputs, Objective, Reference, Sampling, accumulate, mean
+from engine.loop import Run, load_datasets
 from engine.models import (
     check_fits,
     frozen,
@@ -206,3 +208,69 @@ def critic_and_scorer(
         {"reward_model": spec.reward_model},
     )
     return value_model, text_scorer(reward_model, reward_tokenizer, tokenizer, stop_token_ids, cfg.mini_batch_size)
+
+
+def open_prompts(
+    spec: JobSpec,
+    out_dir: Path,
+    callbacks: Callbacks,
+    eval_max_prompts: int,
+    more: dict[str, list[dict[str, Any]]] | None = None,
+) -> tuple[Run, list[dict[str, Any]], list[dict[str, Any]]]:
+    """The run of an online job and its prompt rows: ``dataset``'s, and rank 0's first ``eval_max_prompts`` of
+    ``eval_dataset`` (none elsewhere). ``more``: other rows the run checks, by the spec field that names them."""
+    ranks = Ranks.current()  # several processes: each rolls out and trains on its share of every batch
+    rows, eval_rows = load_datasets(spec, "prompts", ranks)
+    eval_rows = eval_rows[:eval_max_prompts]
+    run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows, **(more or {})})
+    return run, rows, eval_rows
+
+
+POLICY_STATS = ("pg", "kl", "clip", "akl")
+"""Per-minibatch statistics of a policy update: policy loss, KL loss term, clip fraction, approx-KL."""
+
+
+def policy_gradients(
+    learner: Learner,
+    ro: Rollout,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    objective: Objective,
+    cfg: GroupSamplingConfig,
+    mb_inds: torch.Tensor,
+    update: int,
+) -> dict[str, float]:
+    """Forward and backward of the minibatch of samples ``mb_inds`` (per process: its share of them; ``update``,
+    its number in the step, plays no part), in micro-batches accumulating gradients: ``objective`` aggregated over
+    the whole minibatch. Returns :data:`POLICY_STATS` summed over the micro-batches and the ranks; the optimizer
+    step is the caller's."""
+    ranks = learner.ranks
+    n_tokens, n_sequences = mask[mb_inds].sum(), len(mb_inds)
+    own = mb_inds[ranks.share(cfg.mini_batch_size)]
+
+    def micro(part: slice, last: bool) -> dict[str, torch.Tensor]:
+        inds = own[part]
+        inputs = LossInputs(ro.logprobs[inds], advantages[inds], mask[inds], n_sequences, n_tokens,
+                            ro.ref_logprobs[inds])  # fmt: skip
+        return learner.forward_backward(ro.tokens.rows(inds), objective, inputs, last)
+
+    return accumulate(len(own), cfg.micro_batch_size // ranks.world_size, POLICY_STATS, micro, ranks, mask.device)
+
+
+def update_metrics(
+    ro: Rollout, mask: torch.Tensor, stats: dict[str, list[float]], lr: float, t_rollout: float, elapsed: float
+) -> dict[str, float]:
+    """The metrics every group-sampling step reports of its update, responses and timings."""
+    return {
+        "loss/policy": mean(stats["pg"]),
+        "policy/clipfrac": mean(stats["clip"]),
+        "policy/approxkl": mean(stats["akl"]),
+        "response/length_mean": mask.sum(1).mean().item(),
+        "response/eos_fraction": ro.stopped.float().mean().item(),
+        "time/rollout_s": t_rollout,
+        "time/train_s": elapsed - t_rollout,
+        "time/step_s": elapsed,
+        "throughput/tokens_per_s": mask.sum().item() / elapsed,
+        "lr": lr,
+        "grad_norm": mean(stats["gn"]),
+    }

@@ -23,13 +23,12 @@ from transformers import PreTrainedTokenizerBase
 from engine.callbacks import Callbacks
 from engine.config import JobSpec, PPOConfig
 from engine.data import batch_indices, encode_sft_batch, load_rows
-from engine.distributed import Ranks
 from engine.graders import reward_metrics
 from engine.health import CollapseMonitor, check_collapse
 from engine.learner import Learner, LossInputs, Objective, accumulate, count_labels, mean, run_updates
-from engine.loop import JobResult, Run, load_datasets, seed_everything
+from engine.loop import JobResult, seed_everything
 from engine.models import ScalarHead, check_fits
-from engine.online import RolloutRNG, critic_and_scorer, evaluate, open_policy, roll_out_rows
+from engine.online import RolloutRNG, critic_and_scorer, evaluate, open_policy, open_prompts, roll_out_rows
 from engine.ops import masked_mean, masked_whiten
 from engine.ppo import (
     AdaptiveKLController,
@@ -66,15 +65,12 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     cfg = spec.config
     assert isinstance(cfg, PPOConfig) and spec.reward_grader is not None
     seed_everything(spec.seed)
-    ranks = Ranks.current()  # several processes: each rolls out and trains on its share of every batch
 
     # Data: prompts, and SFT rows for the optional pretraining (ptx) loss; rank 0 evaluates
-    prompt_rows, eval_rows = load_datasets(spec, "ppo", ranks)
     ptx_rows = load_rows(cfg.ptx_dataset, "sft") if cfg.ptx_dataset and cfg.ptx_coef > 0 else []
-    eval_rows = eval_rows[: cfg.eval_max_prompts]
-    datasets = {"dataset": prompt_rows, "eval_dataset": eval_rows, "hyperparameters.ptx_dataset": ptx_rows}
-    run = Run.open(spec, out_dir, callbacks, ranks, datasets)
-    tokenizer = run.tokenizer
+    more = {"hyperparameters.ptx_dataset": ptx_rows}
+    run, prompt_rows, eval_rows = open_prompts(spec, out_dir, callbacks, cfg.eval_max_prompts, more)
+    tokenizer, ranks = run.tokenizer, run.ranks  # several processes: each rolls out and trains on its share
 
     # Models: the trained policy and its frozen reference (the starting policy), the critic and the reward
     # (:func:`open_critic`)

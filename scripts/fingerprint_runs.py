@@ -14,13 +14,20 @@ recorded. Run it before and after a change and compare the lines:
     python scripts/fingerprint_runs.py > after.txt
     git worktree add /tmp/base HEAD && (cd /tmp/base && PYTHONPATH=/tmp/base python /path/to/fingerprint_runs.py)
 
-Use the same machine and thread count for both: floating-point reductions depend on them.
+Use the same machine and thread count for both: floating-point reductions depend on them. MKL runs in its
+conditional-numerical-reproducibility mode (``MKL_CBWR=COMPATIBLE``), without which an SFT run was seen to
+differ between two runs of the same code.
 """
 
 import argparse
 import hashlib
 import json
+import os
 import sys
+
+# MKL's kernels may take another summation order by the memory alignment of their operands, which varies from
+# run to run: compatible mode makes each run's numbers depend on its inputs alone (set before torch loads MKL)
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 import tempfile
 from pathlib import Path
 from typing import Any
