@@ -36,7 +36,7 @@ Aggregation = Literal["token_mean", "sequence_mean", "constant"]
 WHITENED: tuple[Estimator, ...] = ("reinforce_pp", "reinforce_pp_baseline")
 """The estimators whose advantages are whitened over the batch's tokens."""
 KLEstimator = Literal["k1", "k2", "k3"]
-"""Per-token estimators of KL(π || π_ref) (engine/ppo.py ``kl_per_token``, http://joschu.net/blog/kl-approx.html)."""
+"""Per-token estimators of KL(π || π_ref) (engine/ops.py ``kl_per_token``, http://joschu.net/blog/kl-approx.html)."""
 K1_LOSS_TERM_WARNING = (
     "kl_estimator k1 as a loss term does not pull the policy towards the reference: on-policy the gradient of "
     "β·(log π - log π_ref) is β·∇log π, whose expectation under π is 0 (it only adds noise); use k3 (the default) or "

@@ -1,6 +1,6 @@
-"""Critic-free policy-gradient numerics: group baselines, the clipped surrogate with separate clip ranges, and
-the loss aggregations. Pure functions of tensors, each tested against a naive per-example loop of its paper's
-formula in tests/engine/test_grpo_math.py.
+"""Critic-free policy-gradient numerics: group baselines and the clipped surrogate with separate clip ranges (the loss
+aggregations, which every method's learner uses, are engine/ops.py's ``aggregate``). Pure functions of tensors, each
+tested against a naive per-example loop of its paper's formula in tests/engine/test_grpo_math.py.
 
 Shapes: N = prompts × ``group_size`` samples, the samples of one prompt next to each other (rows
 ``g*G .. g*G + G - 1`` are group g); T response tokens; ``mask`` (N, T) is 1 on the kept tokens.
@@ -8,7 +8,7 @@ Shapes: N = prompts × ``group_size`` samples, the samples of one prompt next to
 
 import torch
 
-from engine.config import WHITENED, Aggregation, Estimator
+from engine.config import WHITENED, Estimator
 from engine.ops import masked_whiten
 
 STD_EPS = 1e-4
@@ -104,31 +104,3 @@ def clipped_surrogate(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
-
-
-def aggregate(
-    per_token: torch.Tensor,
-    mask: torch.Tensor,
-    how: Aggregation,
-    n_sequences: int | None = None,
-    n_tokens: float | torch.Tensor | None = None,
-    max_tokens: int | None = None,
-) -> torch.Tensor:
-    """A loss (N, T) per token reduced to a scalar over the kept tokens:
-
-    - ``token_mean``: Σ loss / the number of kept tokens (DAPO);
-    - ``sequence_mean``: the mean over sequences of each one's token mean (the GRPO paper);
-    - ``constant``: Σ loss / (sequences × ``max_tokens``), a constant, so no length bias (Dr. GRPO).
-
-    When a minibatch is split into micro-batches, pass its ``n_sequences`` and ``n_tokens``: the parts then sum
-    to the whole minibatch's value (and so do their gradients).
-    """
-    n_seq = per_token.shape[0] if n_sequences is None else n_sequences
-    total = per_token * mask
-    if how == "token_mean":
-        return total.sum() / (mask.sum() if n_tokens is None else n_tokens)
-    if how == "sequence_mean":
-        return (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seq
-    if max_tokens is None:
-        raise ValueError("the constant aggregation needs max_tokens")
-    return total.sum() / (n_seq * max_tokens)

@@ -37,7 +37,7 @@ from engine.online import (
     roll_out_rows,
     update_metrics,
 )
-from engine.ppo import kl_per_token
+from engine.ops import kl_per_token
 from engine.rewards import RewardFunction, gathered, grader_scorer
 from engine.rollout import Rollout, gather_rollout, logged_samples, samples_due
 

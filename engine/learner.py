@@ -18,11 +18,10 @@ from transformers import PreTrainedModel
 from engine.config import Aggregation, TrainConfig
 from engine.distributed import Ranks
 from engine.generate import Decoder, sample
-from engine.grpo import aggregate
 from engine.loop import Run, Start, check_finite, clip_and_step
 from engine.models import folded_adapters, rounds_when_folded, token_logprobs
+from engine.ops import aggregate, kl_per_token
 from engine.policy_losses import POLICY_LOSSES, LossSettings
-from engine.ppo import kl_per_token
 
 Reference = PreTrainedModel | Literal["base"] | None
 """A policy's reference: a frozen model, ``"base"`` (a LoRA policy with its adapters disabled), or none."""

@@ -1,10 +1,14 @@
-"""Masked statistics and token-level helpers. Pure functions, each tested against a naive loop."""
+"""Masked statistics and token-level helpers, the per-token KL estimators and the loss aggregations, which every
+method's learner uses. Pure functions, each tested against a naive loop."""
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from engine.config import Aggregation
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -147,3 +151,48 @@ def reward_index(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_toke
     readable = attention_mask.bool() if pad_token_id is None else attention_mask.bool() & (input_ids != pad_token_id)
     index = last_valid_index(readable.long())  # (B,)
     return torch.where(index >= 0, index, last_valid_index(attention_mask))
+
+
+def kl_per_token(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: Literal["k1", "k2", "k3"] = "k1"
+) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy.
+
+    k1 = log π - log π_ref (unbiased, can be negative); k2 = ½ (log π - log π_ref)² (biased, always ≥ 0, its
+    gradient is the KL's); k3 = (r - 1) - log r with r = π_ref / π (unbiased, always ≥ 0).
+    http://joschu.net/blog/kl-approx.html
+    """
+    log_ratio = logprobs - ref_logprobs  # (B, T)
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    how: Aggregation,
+    n_sequences: int | None = None,
+    n_tokens: float | torch.Tensor | None = None,
+    max_tokens: int | None = None,
+) -> torch.Tensor:
+    """A loss (N, T) per token reduced to a scalar over the kept tokens:
+
+    - ``token_mean``: Σ loss / the number of kept tokens (DAPO);
+    - ``sequence_mean``: the mean over sequences of each one's token mean (the GRPO paper);
+    - ``constant``: Σ loss / (sequences × ``max_tokens``), a constant, so no length bias (Dr. GRPO).
+
+    When a minibatch is split into micro-batches, pass its ``n_sequences`` and ``n_tokens``: the parts then sum
+    to the whole minibatch's value (and so do their gradients).
+    """
+    n_seq = per_token.shape[0] if n_sequences is None else n_sequences
+    total = per_token * mask
+    if how == "token_mean":
+        return total.sum() / (mask.sum() if n_tokens is None else n_tokens)
+    if how == "sequence_mean":
+        return (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seq
+    if max_tokens is None:
+        raise ValueError("the constant aggregation needs max_tokens")
+    return total.sum() / (n_seq * max_tokens)

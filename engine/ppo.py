@@ -6,29 +6,12 @@ Shapes: B rollouts, T response tokens; ``mask`` (B, T) is 1 on the tokens kept a
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from engine.config import PPOConfig
 from engine.ops import last_valid_index, masked_var
-
-
-def kl_per_token(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: Literal["k1", "k2", "k3"] = "k1"
-) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from samples of the policy.
-
-    k1 = log π - log π_ref (unbiased, can be negative); k2 = ½ (log π - log π_ref)² (biased, always ≥ 0, its
-    gradient is the KL's); k3 = (r - 1) - log r with r = π_ref / π (unbiased, always ≥ 0).
-    http://joschu.net/blog/kl-approx.html
-    """
-    log_ratio = logprobs - ref_logprobs  # (B, T)
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    return torch.expm1(-log_ratio) + log_ratio
 
 
 def compute_rewards(

@@ -29,7 +29,7 @@ from engine.learner import Learner, LossInputs, Objective, accumulate, count_lab
 from engine.loop import JobResult, seed_everything
 from engine.models import ScalarHead, check_fits
 from engine.online import RolloutRNG, critic_and_scorer, evaluate, open_policy, open_prompts, roll_out_rows
-from engine.ops import masked_mean, masked_whiten
+from engine.ops import kl_per_token, masked_mean, masked_whiten
 from engine.ppo import (
     AdaptiveKLController,
     FixedKLController,
@@ -37,7 +37,6 @@ from engine.ppo import (
     compute_gae,
     compute_rewards,
     explained_variance,
-    kl_per_token,
     shape_scores,
     value_loss,
 )

@@ -7,16 +7,8 @@ import statistics
 import pytest
 import torch
 
-from engine.grpo import (
-    STD_EPS,
-    aggregate,
-    clipped_surrogate,
-    kl_to_go,
-    sequence_advantages,
-    tied_groups,
-    token_advantages,
-)
-from engine.ppo import kl_per_token
+from engine.grpo import STD_EPS, clipped_surrogate, kl_to_go, sequence_advantages, tied_groups, token_advantages
+from engine.ops import aggregate, kl_per_token
 
 G = 4
 LENGTHS = [5, 1, 3, 5, 2, 4, 5, 3]  # two groups of four samples

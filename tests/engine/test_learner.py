@@ -12,8 +12,8 @@ from engine.distributed import Ranks
 from engine.learner import Learner, LossInputs, Objective, Tokens, accumulate, micro_batches, run_updates
 from engine.loop import make_optimizer, make_scheduler
 from engine.models import load_causal_lm, load_tokenizer, token_logprobs
+from engine.ops import kl_per_token
 from engine.policy_losses import LossSettings
-from engine.ppo import kl_per_token
 
 P, T, N = 4, 5, 6
 

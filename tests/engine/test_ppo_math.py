@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from engine.ops import kl_per_token
 from engine.ppo import (
     AdaptiveKLController,
     FixedKLController,
@@ -14,7 +15,6 @@ from engine.ppo import (
     compute_gae,
     compute_rewards,
     explained_variance,
-    kl_per_token,
     policy_loss,
     value_loss,
 )
