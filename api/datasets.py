@@ -1,14 +1,14 @@
 """Torch-free validation of uploaded JSONL datasets (one JSON object a line, in the README's upload formats),
 line by line, streaming.
 
-Rows are checked by the engine's torch-free ``engine.rows``, with the same line numbers as the engine's
-reader (lines split at LF only, ``engine.rows.split_lines``), so a file the API accepts is one the engine reads.
+Rows are checked by the engine's torch-free ``engine.spec.rows``, with the same line numbers as the engine's
+reader (lines split at LF only, ``engine.spec.rows.split_lines``), so a file the API accepts is one the engine reads.
 """
 
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from engine.rows import FINE_TUNE, DatasetError, dataset_kind, fine_tune_kind, is_chat, parse_json, validate_row
+from engine.spec.rows import FINE_TUNE, DatasetError, dataset_kind, fine_tune_kind, is_chat, parse_json, validate_row
 
 
 class InvalidFile(ValueError):

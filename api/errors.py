@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.config import HYPERPARAMETERS, JobSpec, format_errors
+from engine.spec.config import HYPERPARAMETERS, JobSpec, format_errors
 from jobs.store.storage import MESSAGES, storage_error
 
 logger = logging.getLogger(__name__)

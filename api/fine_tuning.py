@@ -26,8 +26,8 @@ from api.openai_schemas import (
     ReinforcementHyperparameters,
 )
 from api.schemas import MAX_INT32, unix
-from engine.auto import auto_batch_size, auto_epochs
-from engine.config import JOB_TYPES
+from engine.spec.auto import auto_batch_size, auto_epochs
+from engine.spec.config import JOB_TYPES
 from jobs.store.models import Checkpoint, Event, Job
 
 METHOD_TYPES = {info.openai_method: name for name, info in JOB_TYPES.items() if info.openai_method}
@@ -68,8 +68,8 @@ def request_seed(idempotency_key: str | None) -> int:
 
 def spec_of(body: FineTuningJobCreate, rows: int, seed: int) -> dict[str, Any]:
     """The job spec of a create request whose training file has ``rows`` rows: ``auto`` values chosen from that
-        size (the learning rate left to the rules of engine/auto.py, by the model's width, as ``POST /v1/jobs`` leaves
-    it), ``learning_rate_multiplier`` scaling the job type's default learning rate, a checkpoint every epoch (the
+        size (the learning rate left to the rules of engine/spec/auto.py, by the model's width, as ``POST /v1/jobs``
+    leaves it), ``learning_rate_multiplier`` scaling the job type's default learning rate, a checkpoint every epoch (the
         last three kept, as OpenAI keeps them). Raises RequestError for a value this service cannot honour."""
     method = body.method_type
     job_type = METHOD_TYPES[method]

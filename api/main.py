@@ -31,7 +31,7 @@ from api.routes import (
 from api.routes import openai as openai_routes
 from api.routes.files import remove_stale_uploads
 from api.uploads import BodySizeLimit
-from engine.config import JOB_TYPES, JobSpec
+from engine.spec.config import JOB_TYPES, JobSpec
 from jobs.celery_app import celery_app, make_celery
 from jobs.recovery import RecoveryThread
 from jobs.store.settings import Settings, get_settings

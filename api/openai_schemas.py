@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from api.schemas import MAX_INT32, MAX_NEW_TOKENS, MAX_PROMPT_CHARS, MAX_PROMPTS
-from engine.config import MAX_BATCH_SIZE, refuse_bool
+from engine.spec.config import MAX_BATCH_SIZE, refuse_bool
 
 MAX_N = 16
 """Most samples per prompt; prompts × n is also capped at ``MAX_PROMPTS``."""

@@ -1,4 +1,5 @@
-"""Request and response bodies of the HTTP API (the README's API table). Job specs are ``engine.config.JobSpec``."""
+"""Request and response bodies of the HTTP API (the README's API table). Job specs are
+``engine.spec.config.JobSpec``."""
 
 import re
 from datetime import UTC, datetime
@@ -6,8 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
-from engine.config import JOB_TYPES
-from engine.rows import FINE_TUNE, KIND_ALIASES, ROW_FIELDS
+from engine.spec.config import JOB_TYPES
+from engine.spec.rows import FINE_TUNE, KIND_ALIASES, ROW_FIELDS
 from jobs.store.models import Checkpoint, Event, File, Job, Sample
 
 
@@ -47,11 +48,12 @@ def _one_of(known: list[str], what: str) -> AfterValidator:
 
 _PURPOSES = [*ROW_FIELDS, *KIND_ALIASES, FINE_TUNE]
 Purpose = Annotated[str, _one_of(_PURPOSES, "purpose"), WithJsonSchema({"type": "string", "enum": _PURPOSES})]
-"""A dataset kind (engine.rows), one of its earlier names ``rm`` and ``ppo``, or ``fine-tune`` (OpenAI's formats)."""
+"""A dataset kind (engine.spec.rows), one of its earlier names ``rm`` and ``ppo``, or ``fine-tune`` (OpenAI's
+formats)."""
 JobType = Annotated[
     str, _one_of(list(JOB_TYPES), "job type"), WithJsonSchema({"type": "string", "enum": list(JOB_TYPES)})
 ]
-"""A name of :data:`engine.config.JOB_TYPES`."""
+"""A name of :data:`engine.spec.config.JOB_TYPES`."""
 JobStatus = Literal[
     "waiting", "queued", "running", "cancelling", "cancelled", "pausing", "paused", "succeeded", "failed"
 ]

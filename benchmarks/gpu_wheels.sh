@@ -7,7 +7,7 @@
 # - transformers: ours, not the device's 5.17 (the engine calls models with `cache=` and reads `out.cache`,
 #   which 5.17 names `past_key_values`); regex with it (transformers checks its version at import);
 # - peft: ours, for the LoRA folding the engine does through peft's layers;
-# - pydantic and its own dependencies: engine.config validates the job spec with it (none on the device);
+# - pydantic and its own dependencies: engine.spec.config validates the job spec with it (none on the device);
 # - TRL and datasets with dill and multiprocess: the TRL contestant (none on the device).
 # Then, on the device: run with carry [".whl"] and the command `bash benchmarks/gpu_check.sh`, which installs
 # them with `python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target

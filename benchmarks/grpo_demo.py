@@ -22,11 +22,11 @@ import torch
 from safetensors.torch import load_file
 
 from engine.callbacks import Callbacks
-from engine.config import JOB_TYPES, JobSpec
-from engine.data import load_rows
+from engine.core.data import load_rows
+from engine.core.models import resolve_model_ref
 from engine.demo import EVAL_PROMPTS, TASKS, demo_specs, evaluate_policy, sft_stage
-from engine.models import resolve_model_ref
 from engine.run import run_job
+from engine.spec.config import JOB_TYPES, JobSpec
 
 CPU = torch.device("cpu")
 TIMINGS = ("time/", "throughput/")

@@ -1,4 +1,4 @@
-"""Each policy loss (``policy_loss``, engine/policy_losses.py) on the digits task, on this machine's CPU.
+"""Each policy loss (``policy_loss``, engine/spec/policy_losses.py) on the digits task, on this machine's CPU.
 
 Trains the GRPO demo's SFT stage (``rlhf demo --method grpo``'s first), then the demo's GRPO stage (its
 ``JOB_TYPES["grpo"].demo`` settings) once per loss from that model (gspo with scaled clip ranges, and once more
@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 from engine.callbacks import Callbacks
-from engine.config import JOB_TYPES, JobSpec
-from engine.data import load_rows
+from engine.core.data import load_rows
+from engine.core.models import resolve_model_ref
 from engine.demo import EVAL_PROMPTS, TASKS, demo_specs, evaluate_policy, sft_stage
-from engine.models import resolve_model_ref
-from engine.policy_losses import POLICY_LOSSES
 from engine.run import run_job
+from engine.spec.config import JOB_TYPES, JobSpec
+from engine.spec.policy_losses import POLICY_LOSSES
 
 CPU = torch.device("cpu")
 GSPO_SCALED = {"cliprange_low": 0.03, "cliprange_high": 0.04, "loss_aggregation": "sequence_mean"}

@@ -29,7 +29,7 @@ gradient checkpointing.
 
 Ours reports the engine's own figures with each update (``time/rollout_s``, ``time/train_s``, the share of
 decoding steps run compiled, the responses' EOS share and mean length) and at its end the decode statistics the
-engine logs on ``engine.generate`` (which decode path ran, compiles and CUDA-graph recordings per shape).
+engine logs on ``engine.core.generate`` (which decode path ran, compiles and CUDA-graph recordings per shape).
 
 Setup: ``make bench-deps`` (TRL for benchmarks only, next to the pinned stack, changing nothing of it:
 ``pip install --no-deps trl==1.12.0``, then ``datasets``, ``accelerate`` and ``jinja2``).
@@ -74,10 +74,10 @@ from benchmarks.gpu_summary import memory_mib, race_section
 from benchmarks.race import RaceOver, Result, Turn, race
 from engine.builtin import reviews
 from engine.callbacks import Callbacks, StopRequest
-from engine.config import JobSpec
-from engine.models import load_tokenizer, pick_device
-from engine.ops import logprobs_from_logits, truncate_after_stop
+from engine.core.models import load_tokenizer, pick_device
+from engine.core.ops import logprobs_from_logits, truncate_after_stop
 from engine.run import run_job
+from engine.spec.config import JobSpec
 
 PROMPT_TOKENS = 16
 """The fixed case's prompt length."""
@@ -292,7 +292,7 @@ KEPT_METRICS = (
 
 
 class DecodeStats(logging.Handler):
-    """Keeps the decoding statistics the engine logs at the end of a job: a record on ``engine.generate`` whose
+    """Keeps the decoding statistics the engine logs at the end of a job: a record on ``engine.core.generate`` whose
     ``decode_stats`` is a dict (``path``, ``compiled_steps``, ``eager_steps``, ``compiles`` and ``recordings``
     per shape, ``cudagraph_skips``, ``fallback``)."""
 
@@ -318,7 +318,7 @@ def run_ours(work: Workload, updates: int, setting: Setting, turn: Turn, out: Pa
             return "cancel" if turn.stopped else None
 
     decode = DecodeStats()
-    logger = logging.getLogger("engine.generate")
+    logger = logging.getLogger("engine.core.generate")
     logger.setLevel(logging.INFO)
     logger.addHandler(decode)
     s = work.size
@@ -493,18 +493,18 @@ def run_ours_lora(work: Workload, updates: int, setting: Setting, turn: Turn, ou
 
 def run_ours_lora_unfused(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> dict[str, Any]:
     """Ours with LoRA as before rollouts folded the adapters: every sampling step through the adapters (by
-    replacing ``engine.rollout.folded_adapters``, where the rollout's sampling and critic call it)."""
-    import engine.rollout
+    replacing ``engine.core.rollout.folded_adapters``, where the rollout's sampling and critic call it)."""
+    import engine.core.rollout
 
-    engine.rollout.folded_adapters = lambda model, rounded=False: contextlib.nullcontext()  # type: ignore[assignment]
+    engine.core.rollout.folded_adapters = lambda model, rounded=False: contextlib.nullcontext()  # type: ignore[assignment]
     return run_ours_lora(work, updates, setting, turn, out)
 
 
 def run_ours_whole_logits(work: Workload, updates: int, setting: Setting, turn: Turn, out: Path) -> dict[str, Any]:
     """Ours with each forward's (B, T, V) logits made at once, as before log-probs were taken in chunks."""
-    import engine.models
+    import engine.core.models
 
-    engine.models.LOGITS_CHUNK_BYTES = 2**62
+    engine.core.models.LOGITS_CHUNK_BYTES = 2**62
     return run_ours(work, updates, setting, turn, out)
 
 

@@ -45,8 +45,8 @@ from sqlalchemy import select
 from transformers.utils import logging as hf_logging
 
 from engine.callbacks import Callbacks
-from engine.config import JobSpec
 from engine.run import run_job
+from engine.spec.config import JobSpec
 from jobs.client import Client
 from jobs.demo import embedded_server
 from jobs.store import refs

@@ -20,8 +20,8 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from engine.callbacks import Callbacks
-from engine.config import JOB_TYPES, JobSpec, format_errors
-from engine.rows import Message
+from engine.spec.config import JOB_TYPES, JobSpec, format_errors
+from engine.spec.rows import Message
 from engine.tracking import METRICS_FILE, MetricsFile, Tracker, TrackingOptions, switched_on
 
 
@@ -71,12 +71,12 @@ def parse_spec(data: dict[str, Any], source: str) -> JobSpec:
 def train(spec: JobSpec, out: Path, label: str | None = None, *, restart: bool = False) -> None:
     """Train ``spec`` in the job folder ``out``, resuming the run there only when it is of the same spec.
 
-    A folder holding a run of another spec raises :class:`~engine.checkpoint.SpecMismatchError` before anything
+    A folder holding a run of another spec raises :class:`~engine.core.checkpoint.SpecMismatchError` before anything
     loads; ``restart`` deletes that run first. The check lives here, not in ``run_job``: a local ``--out`` may
     name any folder, while on the server every job has a folder of its own, keyed by its id, and its resolved
     references (absolute paths) must not stop it resuming after the artifacts folder has moved.
     """
-    from engine.checkpoint import check_same_spec, delete_run
+    from engine.core.checkpoint import check_same_spec, delete_run
     from engine.run import run_job  # torch is imported only for commands that need it
 
     if restart:
@@ -115,8 +115,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from engine.generate import generate
-    from engine.models import load_causal_lm, load_tokenizer, pick_device, resolve_model_ref
+    from engine.core.generate import generate
+    from engine.core.models import load_causal_lm, load_tokenizer, pick_device, resolve_model_ref
 
     quiet_transformers()
 

@@ -18,10 +18,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.builtin import reviews
-from engine.config import JOB_TYPES, MODEL_FIELDS, JobSpec
-from engine.data import encode_prompts, load_rows
-from engine.generate import sample
-from engine.models import (
+from engine.core.data import encode_prompts, load_rows
+from engine.core.generate import sample
+from engine.core.models import (
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
@@ -29,9 +28,10 @@ from engine.models import (
     stop_token_ids,
     token_logprobs,
 )
-from engine.ops import truncate_after_stop
-from engine.reward import sequence_scores
-from engine.rm import encode_pairs, evaluate_pairs
+from engine.core.ops import truncate_after_stop
+from engine.methods.rm import encode_pairs, evaluate_pairs
+from engine.rewards.reward_model import sequence_scores
+from engine.spec.config import JOB_TYPES, MODEL_FIELDS, JobSpec
 
 
 @dataclass(frozen=True)

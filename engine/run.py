@@ -7,18 +7,18 @@ from pathlib import Path
 import torch
 
 from engine.callbacks import Callbacks
-from engine.checkpoint import latest_checkpoint
-from engine.config import JOB_TYPES, JobSpec
-from engine.generate import release_compiled
-from engine.graders import RewardStopped
-from engine.loop import JobResult
-from engine.models import pick_device
+from engine.core.checkpoint import latest_checkpoint
+from engine.core.generate import release_compiled
+from engine.core.loop import JobResult
+from engine.core.models import pick_device
+from engine.rewards.graders import RewardStopped
+from engine.spec.config import JOB_TYPES, JobSpec
 
 Trainer = Callable[[JobSpec, Path, Callbacks, torch.device], JobResult]
 
 
 def trainer(job_type: str) -> Trainer:
-    """The training loop of ``job_type``, as its :data:`engine.config.JOB_TYPES` entry names it."""
+    """The training loop of ``job_type``, as its :data:`engine.spec.config.JOB_TYPES` entry names it."""
     module, function = JOB_TYPES[job_type].trainer.split(":")
     loop: Trainer = getattr(import_module(module), function)
     return loop

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
 
 from engine.callbacks import Callbacks, StopRequest
-from engine.config import JobSpec, TrackingBackend
+from engine.spec.config import JobSpec, TrackingBackend
 
 BACKENDS: tuple[TrackingBackend, ...] = get_args(TrackingBackend)
 METRICS_FILE = "metrics.jsonl"

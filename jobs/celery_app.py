@@ -9,7 +9,7 @@ worker that outlives a lost broker connection, its task included.
 import kombu.transport.sqlalchemy
 from celery import Celery
 
-from engine.config import INFERENCE_QUEUE, TRAIN_QUEUE
+from engine.spec.config import INFERENCE_QUEUE, TRAIN_QUEUE
 from jobs.store.settings import Settings, get_settings
 
 RUN_JOB_TASK = "rlhf.run_job"

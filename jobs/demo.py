@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 
 from engine.builtin import DATASETS
-from engine.config import JOB_TYPES
-from engine.data import load_rows
+from engine.core.data import load_rows
 from engine.demo import EVAL_PROMPTS, TASKS, TEMPERATURE, demo_specs, sft_stage
+from engine.spec.config import JOB_TYPES
 from jobs.client import KEY_FILE, Client, follow
 
 GENERATE_BATCH = 64

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from engine.callbacks import Callbacks
-from engine.config import JobSpec
-from engine.loop import JobResult
+from engine.core.loop import JobResult
+from engine.spec.config import JobSpec
 
 log = logging.getLogger(__name__)
 

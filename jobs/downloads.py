@@ -29,7 +29,7 @@ from pathlib import Path
 from huggingface_hub import constants, snapshot_download
 
 from engine.callbacks import StopRequest
-from engine.model_refs import ModelNotFoundError
+from engine.spec.model_refs import ModelNotFoundError
 
 NOT_FOUND_EXIT = 3
 """The child's exit status when the hub says the model does not exist or may not be read."""

@@ -16,10 +16,8 @@ import torch
 from sqlalchemy.orm import Session
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine import generate as engine_generate
-from engine.config import JOB_TYPES
-from engine.hub import is_hub_id
-from engine.models import (
+from engine.core import generate as engine_generate
+from engine.core.models import (
     ModelNotFoundError,
     load_causal_lm,
     load_scalar_model,
@@ -29,8 +27,10 @@ from engine.models import (
     resolve_model_ref,
     stop_token_ids,
 )
-from engine.reward import score_texts
-from engine.rows import Text
+from engine.rewards.reward_model import score_texts
+from engine.spec.config import JOB_TYPES
+from engine.spec.hub import is_hub_id
+from engine.spec.rows import Text
 from jobs.downloads import cached_snapshot
 from jobs.store import crud, refs
 from jobs.store.db import session_scope
@@ -274,8 +274,8 @@ def complete(
     n: int = 1,
     stop: list[str] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """``n`` seeded samples per prompt (:func:`engine.generate.generate`), each ending at the model's stop tokens
-    (:func:`engine.models.stop_token_ids`) and cut at ``stop`` strings, with token counts.
+    """``n`` seeded samples per prompt (:func:`engine.core.generate.generate`), each ending at the model's stop tokens
+    (:func:`engine.core.models.stop_token_ids`) and cut at ``stop`` strings, with token counts.
 
     A stop string that is one special token of the tokenizer (``"<|eot_id|>"``) ends sampling at that token, as
     the model's own stop tokens do; one that holds a special token among other text is looked for in the text

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
 from engine.callbacks import Callbacks, StopRequest
-from engine.config import JobSpec
 from engine.run import run_job
+from engine.spec.config import JobSpec
 from jobs.distributed import CHANNEL_ENV, KEY_ENV
 from jobs.runner import error_code
 

@@ -35,16 +35,16 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
 from engine.callbacks import Callbacks, StopRequest
-from engine.checkpoint import list_checkpoints
-from engine.config import MODEL_FIELDS, JobSpec, format_errors
-from engine.data import DatasetError
-from engine.graders import RewardError, RewardFunctionError, RewardServiceError, model_refs, replace_models
-from engine.health import TrainingCollapseError
-from engine.hub import is_hub_id
-from engine.loop import NonFiniteLossError
-from engine.models import IncompleteSaveError, ModelNotFoundError
-from engine.rows import ChatTemplateMissingError
+from engine.core.checkpoint import list_checkpoints
+from engine.core.data import DatasetError
+from engine.core.health import TrainingCollapseError
+from engine.core.loop import NonFiniteLossError
+from engine.core.models import IncompleteSaveError, ModelNotFoundError
+from engine.rewards.graders import RewardError, RewardFunctionError, RewardServiceError, model_refs, replace_models
 from engine.run import run_job as run_engine
+from engine.spec.config import MODEL_FIELDS, JobSpec, format_errors
+from engine.spec.hub import is_hub_id
+from engine.spec.rows import ChatTemplateMissingError
 from engine.tracking import Tracker, TrackingOptions, quiet_environment, switched_on
 from jobs.distributed import RankFailure, run_distributed
 from jobs.downloads import DownloadStopped, HubDownloadError, download

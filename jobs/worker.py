@@ -17,7 +17,7 @@ from huggingface_hub import constants as hub_constants
 from sqlalchemy.exc import IntegrityError, OperationalError
 from transformers.utils import logging as hf_logging
 
-from engine.config import QUEUE_NAME
+from engine.spec.config import QUEUE_NAME
 from jobs import tasks
 from jobs.celery_app import INFERENCE_QUEUE, TRAIN_QUEUE, celery_app
 from jobs.store.settings import Settings, get_settings

@@ -37,8 +37,8 @@ from safetensors.torch import load_file
 
 from engine.builtin import digits
 from engine.callbacks import Callbacks, StopRequest
-from engine.config import JobSpec
 from engine.run import run_job
+from engine.spec.config import JobSpec
 
 CPU = torch.device("cpu")
 TIMINGS = ("time/", "throughput/")

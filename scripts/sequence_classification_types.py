@@ -1,4 +1,4 @@
-"""Write ``engine/sequence_classification.py``: the model types that transformers has a sequence-classification
+"""Write ``engine/spec/sequence_classification.py``: the model types that transformers has a sequence-classification
 class for, so that the API (which never imports transformers) can refuse a reward model without one at submit.
 
 Run after upgrading transformers: ``python scripts/sequence_classification_types.py``;
@@ -10,7 +10,7 @@ from pathlib import Path
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
-TARGET = Path(__file__).resolve().parent.parent / "engine" / "sequence_classification.py"
+TARGET = Path(__file__).resolve().parent.parent / "engine" / "spec" / "sequence_classification.py"
 
 
 def render(model_types: list[str]) -> str:

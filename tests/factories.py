@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import JobSpec
+from engine.spec.config import JobSpec
 from jobs.store import crud
 from jobs.store.db import session_scope
 from jobs.store.settings import Settings

@@ -36,15 +36,17 @@ def packages(modules: set[str]) -> set[str]:
 
 def test_engine_imports_nothing_of_the_service() -> None:
     engine = modules_of("engine")
-    assert {"engine.run", "engine.cli", "engine.config"} <= set(engine)  # the check is meaningful: files were found
+    assert {"engine.run", "engine.cli", "engine.spec.config"} <= set(
+        engine
+    )  # the check is meaningful: files were found
     loaded = modules_after_import("import " + ", ".join(engine))
     assert "torch" in packages(loaded)  # ... and the engine really was imported
     assert packages(loaded) & set(SERVICE_MODULES) == set()
 
 
 def test_config_is_torch_free() -> None:
-    # The API validates job specs with engine.config; it must not pull in torch or transformers.
-    loaded = packages(modules_after_import("import engine.config"))
+    # The API validates job specs with engine.spec.config; it must not pull in torch or transformers.
+    loaded = packages(modules_after_import("import engine.spec.config"))
     assert "pydantic" in loaded
     assert loaded & {"torch", "transformers", "numpy"} == set()
 
@@ -92,7 +94,7 @@ def environment_reads(source: str) -> list[int]:
 def test_engine_reads_no_environment() -> None:
     assert environment_reads("import os\nos.environ['A']\nos.getenv('B')\nfrom os import environ") == [2, 3, 4]
     paths = sorted((ROOT / "engine").rglob("*.py"))
-    assert ROOT / "engine" / "config.py" in paths  # the check is meaningful: the engine's files were found
+    assert ROOT / "engine" / "spec" / "config.py" in paths  # the check is meaningful: the engine's files were found
     offenders = [f"{path.relative_to(ROOT)}:{line}" for path in paths for line in environment_reads(path.read_text())]
     assert offenders == []
 

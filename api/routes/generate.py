@@ -11,7 +11,7 @@ from api.errors import ApiError, ErrorResponse, error_responses
 from api.queue import run_generation
 from api.schemas import GenerateRequest, GenerateResponse
 from api.services.jobs import job_or_404
-from engine.config import GENERATING_TYPES, JOB_TYPES
+from engine.spec.config import GENERATING_TYPES, JOB_TYPES
 from jobs.store import crud
 from jobs.store.models import Project
 

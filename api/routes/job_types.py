@@ -1,4 +1,4 @@
-"""``/v1/job_types``: the job types this server trains (engine.config.JOB_TYPES), for clients that build specs,
+"""``/v1/job_types``: the job types this server trains (engine.spec.config.JOB_TYPES), for clients that build specs,
 such as the dashboard's new-job form: what each reads and makes, its default hyperparameters, its headline
 metrics, and the built-in datasets it can train on."""
 
@@ -7,8 +7,8 @@ from fastapi import APIRouter
 from api.deps import CurrentProject
 from api.schemas import JobTypePublic, JobTypesPublic
 from engine.builtin import DATASETS
-from engine.config import JOB_TYPES
-from engine.rows import dataset_kind
+from engine.spec.config import JOB_TYPES
+from engine.spec.rows import dataset_kind
 
 router = APIRouter(prefix="/job_types", tags=["jobs"])
 

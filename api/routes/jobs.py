@@ -22,7 +22,7 @@ from api.schemas import (
     MetricsPublic,
 )
 from api.services.jobs import control_job, job_or_404, store_job, validated_spec
-from engine.config import JOB_TYPES
+from engine.spec.config import JOB_TYPES
 from jobs.store import crud
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])

@@ -34,7 +34,7 @@ from jobs.store.settings import Settings
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 POLICY_DIR = "policy"
-"""The trained model's folder in a checkpoint (``engine/checkpoint.py``); with LoRA, merged."""
+"""The trained model's folder in a checkpoint (``engine/core/checkpoint.py``); with LoRA, merged."""
 ADAPTERS_DIR = "adapters/policy"
 """A LoRA job's adapters in a checkpoint, beside the merged ``policy/``."""
 ADAPTER_DIR = "adapter"

@@ -41,7 +41,7 @@ from api.openai_schemas import (
 )
 from api.queue import run_generation
 from api.schemas import MAX_INT32
-from engine.config import GENERATING_TYPES
+from engine.spec.config import GENERATING_TYPES
 from jobs.store import crud
 from jobs.store.models import Checkpoint, Job, Project
 

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from api.deps import Enqueue
 from api.errors import ApiError, not_found, spec_error
 from api.schemas import looks_like_id
-from engine.config import JobSpec
+from engine.spec.config import JobSpec
 from jobs.recovery import release_once
 from jobs.store import crud
 from jobs.store.models import FINAL_STATUSES, Job, Project, utcnow
@@ -38,7 +38,7 @@ def validated_spec(
 ) -> tuple[dict[str, Any], list[str]]:
     """The spec as stored (every default filled in, so equal specs are stored equal: idempotency compares them;
     the epochs or steps and the learning rate it leaves out chosen "auto" from its dataset's rows and its model's
-    width, engine/auto.py) and the unfinished jobs it names; a 422 naming the field (after ``param_prefix``) when
+    width, engine/spec/auto.py) and the unfinished jobs it names; a 422 naming the field (after ``param_prefix``) when
     it is refused."""
     try:
         spec = JobSpec.model_validate(body).model_dump(mode="json")

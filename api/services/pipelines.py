@@ -13,8 +13,8 @@ from sqlalchemy.orm import Session
 from api.deps import Enqueue
 from api.errors import ApiError
 from api.services.jobs import check_pending, send_created, validated_spec
-from engine.config import MODEL_FIELDS
-from engine.graders import replace_models
+from engine.rewards.graders import replace_models
+from engine.spec.config import MODEL_FIELDS
 from jobs.store import crud
 from jobs.store.models import Job, Project
 from jobs.store.settings import Settings

@@ -13,7 +13,7 @@
   const HISTORY_POINTS = 2000;
 
   const state = { key: null, cleanup: [] };
-  // The job types, name → entry of GET /v1/job_types (engine.config.JOB_TYPES): its summary, dataset_kind,
+  // The job types, name → entry of GET /v1/job_types (engine.spec.config.JOB_TYPES): its summary, dataset_kind,
   // output ("policy" or "reward_model"), generates, reward_model, metrics (the charts), hyperparameters (the
   // defaults), builtin_datasets and example (a spec to start from). Loaded once after sign-in (loadJobTypes);
   // everything that differs by type is read from here, so a type the server adds needs no change to this file.
@@ -856,7 +856,7 @@
     const model = h('input', { id: 'model', type: 'text', value: 'builtin:tiny', spellcheck: false });
     const rewardPick = h('select', { id: 'reward-pick' });
     const rewardModel = h('input', { id: 'reward-model', type: 'text', spellcheck: false });
-    // Graders in OpenAI's grader JSON (engine/graders.py): the reward instead of a reward model, and what scores
+    // Graders in OpenAI's grader JSON (engine/rewards/graders.py): the reward instead of a reward model, and what scores
     // the eval dataset's samples.
     const reward = h('textarea', { id: 'reward', rows: 6, spellcheck: false, placeholder: 'none: the reward model above' });
     const rewardNote = h('p', { id: 'reward-error', class: 'error small', role: 'alert', hidden: true });

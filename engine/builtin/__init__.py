@@ -28,7 +28,7 @@ TINY_CONFIG: dict[str, int | float] = {
     "attn_pdrop": 0.0,
 }
 
-# name -> (dataset kind, rows factory); the kinds are engine.rows'.
+# name -> (dataset kind, rows factory); the kinds are engine.spec.rows'.
 DATASETS: dict[str, tuple[str, Callable[[], list[dict[str, str]]]]] = {
     "reviews-sft": ("sft", lambda: reviews.sft_rows("train")),
     "reviews-sft-eval": ("sft", lambda: reviews.sft_rows("eval")),

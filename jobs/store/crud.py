@@ -15,7 +15,7 @@ from sqlalchemy import Select, and_, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from engine.config import TRAIN_QUEUE
+from engine.spec.config import TRAIN_QUEUE
 from jobs.store.models import (
     ACTIVE_STATUSES,
     ApiKey,

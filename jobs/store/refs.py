@@ -26,12 +26,12 @@ from typing import Any
 from huggingface_hub import try_to_load_from_cache
 from sqlalchemy.orm import Session
 
-from engine.auto import auto_hyperparameters, model_width
 from engine.builtin import DATASETS, TINY_CONFIG, TINY_MODEL, TOKENIZER_FILE
-from engine.config import JOB_TYPES, MODEL_FIELDS, vocabulary_mismatch
-from engine.graders import check_allowed, parse_grader, replace_models
-from engine.hub import is_hub_id
-from engine.model_refs import (
+from engine.rewards.graders import check_allowed, parse_grader, replace_models
+from engine.spec.auto import auto_hyperparameters, model_width
+from engine.spec.config import JOB_TYPES, MODEL_FIELDS, vocabulary_mismatch
+from engine.spec.hub import is_hub_id
+from engine.spec.model_refs import (
     TOKENIZER_FILES,
     ModelNotFoundError,
     chat_template_saved,
@@ -40,8 +40,8 @@ from engine.model_refs import (
     resolve_model_ref,
     tokenizer_saved,
 )
-from engine.rows import dataset_kind
-from engine.sequence_classification import SEQUENCE_CLASSIFICATION_TYPES
+from engine.spec.rows import dataset_kind
+from engine.spec.sequence_classification import SEQUENCE_CLASSIFICATION_TYPES
 from jobs.store import crud
 from jobs.store.models import LIVE_STATUSES, Job
 from jobs.store.settings import Settings
@@ -150,7 +150,7 @@ def auto_values(
     artifacts: Path,
     model_root: Path | None,
 ) -> dict[str, Any]:
-    """The "auto" hyperparameters (engine/auto.py) of a validated ``spec`` whose request gave ``given``: the epochs
+    """The "auto" hyperparameters (engine/spec/auto.py) of a validated ``spec`` whose request gave ``given``: the epochs
     or steps from its dataset's rows, the learning rate from its model's width, each when it can be told here."""
     return auto_hyperparameters(
         spec["type"],

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine.config import TrackingBackend
+from engine.spec.config import TrackingBackend
 
 
 class Settings(BaseSettings):

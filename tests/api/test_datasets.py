@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from api.datasets import InvalidFile, Summary, summarize
-from engine.data import DatasetError, parse_jsonl
-from engine.rows import split_lines
+from engine.core.data import DatasetError, parse_jsonl
+from engine.spec.rows import split_lines
 
 CASES = [
     b'{"prompt": "a", "completion": "b"}\n',

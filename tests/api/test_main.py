@@ -13,7 +13,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from engine.config import JOB_TYPES, JobSpec
+from engine.spec.config import JOB_TYPES, JobSpec
 from tests.api.helpers import error_of
 from tests.factories import make_settings
 

@@ -22,7 +22,7 @@ from typing import Any
 import openai
 import pytest
 
-from engine.config import JOB_TYPES
+from engine.spec.config import JOB_TYPES
 from jobs.client import KEY_FILE, Client
 from jobs.demo import embedded_server
 from jobs.store import crud

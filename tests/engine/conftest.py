@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import JobSpec
+from engine.spec.config import JobSpec
 from tests.engine.helpers import EVAL_DATASETS, RM_FIXTURE_STEPS, Pretrained, make_spec, train
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.config import JobSpec
-from engine.loop import JobResult
+from engine.core.loop import JobResult
 from engine.run import run_job
+from engine.spec.config import JobSpec
 from tests.recorder import Recorder
 
 CPU = torch.device("cpu")

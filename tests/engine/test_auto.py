@@ -1,4 +1,4 @@
-"""The "auto" hyperparameters (engine/auto.py) against the rules they document: OpenAI's epochs and batch by the
+"""The "auto" hyperparameters (engine/spec/auto.py) against the rules they document: OpenAI's epochs and batch by the
 file's size, TRL's rates at a 4096-wide model falling as 1 / width, LoRA at 10 × the full rate, explicit values
 winning."""
 
@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from engine.auto import (
+from engine.builtin import TINY_CONFIG
+from engine.spec.auto import (
     FULL_RATES,
     REFERENCE_WIDTH,
     auto_batch_size,
@@ -16,8 +17,7 @@ from engine.auto import (
     auto_total_steps,
     model_width,
 )
-from engine.builtin import TINY_CONFIG
-from engine.config import JOB_TYPES, JobSpec
+from engine.spec.config import JOB_TYPES, JobSpec
 
 
 def test_epochs_and_batch_follow_openais_documented_rules() -> None:

@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from engine.data import encode_sft_example, labelled_batch
-from engine.models import load_scalar_model, load_tokenizer
-from engine.reward import sequence_scores
-from engine.rm import encode_pairs
-from engine.rows import ChatTemplateMissingError
+from engine.core.data import encode_sft_example, labelled_batch
+from engine.core.models import load_scalar_model, load_tokenizer
+from engine.methods.rm import encode_pairs
+from engine.rewards.reward_model import sequence_scores
+from engine.spec.rows import ChatTemplateMissingError
 from tests.engine.helpers import assert_all_finite, final_model_dir, make_spec, train
 from tests.models import ARCHITECTURES, build_model, chat_rows, write_jsonl
 from tests.recorder import Recorder

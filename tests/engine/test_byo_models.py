@@ -7,10 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from engine.config import LoraSpec
-from engine.data import encode_completion, encode_prompts, encode_sft_batch, prompt_ids, render
-from engine.generate import generate
-from engine.models import (
+from engine.core.data import encode_completion, encode_prompts, encode_sft_batch, prompt_ids, render
+from engine.core.generate import generate
+from engine.core.models import (
     RewardModelError,
     ScalarHead,
     apply_lora,
@@ -19,8 +18,9 @@ from engine.models import (
     load_scalar_model,
     load_tokenizer,
 )
-from engine.reward import score_texts, sequence_scores
-from engine.rm import encode_pairs, pair_rewards
+from engine.methods.rm import encode_pairs, pair_rewards
+from engine.rewards.reward_model import score_texts, sequence_scores
+from engine.spec.config import LoraSpec
 from tests.engine.helpers import Pretrained, final_model_dir, make_spec, train
 from tests.models import BOS_TOKEN, build_model, chat_rows, write_jsonl
 

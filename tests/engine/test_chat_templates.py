@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.config import JobSpec
-from engine.data import (
+from engine.core.data import (
     DatasetError,
     encode_conversation,
     encode_rendered,
@@ -17,7 +16,8 @@ from engine.data import (
     sequence_lengths,
     truncation_warning,
 )
-from engine.models import load_tokenizer
+from engine.core.models import load_tokenizer
+from engine.spec.config import JobSpec
 from jobs.runner import error_code
 from tests.chat_templates import TEMPLATES, chat_tokenizer
 from tests.engine.helpers import make_spec, train

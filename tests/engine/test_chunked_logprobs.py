@@ -1,5 +1,5 @@
-"""Log-probabilities over the vocabulary in chunks (``engine.ops.chunked_logprobs``, used by
-``engine.models.token_logprobs`` for every SFT, DPO, PPO and GRPO forward): the numbers and gradients of the whole
+"""Log-probabilities over the vocabulary in chunks (``engine.core.ops.chunked_logprobs``, used by
+``engine.core.models.token_logprobs`` for every SFT, DPO, PPO and GRPO forward): the numbers and gradients of the whole
 (B, T, V) logits, without holding them, on the models users bring, with LoRA and under DistributedDataParallel;
 architectures that scale their logits are read through their own forward."""
 
@@ -12,11 +12,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import Gemma2Config, Gemma2ForCausalLM, PreTrainedModel
 
-from engine import models
-from engine.config import LoraSpec
-from engine.dpo_train import completion_logps
-from engine.learner import completion_loss_sum
-from engine.models import (
+from engine.core import models
+from engine.core.learner import completion_loss_sum
+from engine.core.models import (
     SCALED_LOGITS,
     apply_lora,
     lm_logits,
@@ -25,7 +23,9 @@ from engine.models import (
     output_layer,
     token_logprobs,
 )
-from engine.ops import chunked_logprobs, entropy_from_logits, logprobs_from_logits
+from engine.core.ops import chunked_logprobs, entropy_from_logits, logprobs_from_logits
+from engine.methods.dpo_train import completion_logps
+from engine.spec.config import LoraSpec
 from tests.helpers import free_port
 from tests.models import build_model
 

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from engine import cli
-from engine.checkpoint import JOB_FILE, SPEC_FILE, check_same_spec, list_checkpoints
-from engine.config import JobSpec
+from engine.core.checkpoint import JOB_FILE, SPEC_FILE, check_same_spec, list_checkpoints
+from engine.spec.config import JobSpec
 from tests.engine.helpers import make_spec, train
 from tests.recorder import Recorder
 

@@ -1,4 +1,4 @@
-"""Validation of job specs and hyperparameters in engine.config."""
+"""Validation of job specs and hyperparameters in engine.spec.config."""
 
 from typing import Any
 
@@ -6,7 +6,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from engine.builtin import digits
-from engine.config import (
+from engine.spec.config import (
     HYPERPARAMETERS,
     GRPOConfig,
     JobSpec,
@@ -18,7 +18,7 @@ from engine.config import (
     TrainConfig,
     format_errors,
 )
-from engine.policy_losses import POLICY_LOSSES, LossSettings
+from engine.spec.policy_losses import POLICY_LOSSES, LossSettings
 
 DATASETS = {"sft": "builtin:reviews-sft", "rm": "builtin:reviews-prefs", "ppo": "builtin:reviews-prompts"}
 

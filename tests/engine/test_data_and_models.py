@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 from transformers.activations import GELUTanh, NewGELUActivation
 
 from engine import builtin
-from engine.checkpoint import JOB_FILE
-from engine.data import (
+from engine.core.checkpoint import JOB_FILE
+from engine.core.data import (
     DatasetError,
     encode_conversation,
     encode_prompts,
@@ -19,8 +19,8 @@ from engine.data import (
     load_rows,
     parse_jsonl,
 )
-from engine.generate import generate, sample, sample_next
-from engine.models import (
+from engine.core.generate import generate, sample, sample_next
+from engine.core.models import (
     ModelNotFoundError,
     fuse_activations,
     lm_logits,
@@ -29,8 +29,8 @@ from engine.models import (
     resolve_model_ref,
     token_logprobs,
 )
-from engine.ops import truncate_after_stop
-from engine.rows import fine_tune_kind, validate_row
+from engine.core.ops import truncate_after_stop
+from engine.spec.rows import fine_tune_kind, validate_row
 from tests.engine.helpers import make_spec, train
 from tests.models import IM_END, build_model, build_tokenizer
 from tests.recorder import Recorder

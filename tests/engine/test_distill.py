@@ -1,4 +1,4 @@
-"""On-policy distillation (engine/distill.py): the per-token advantage against a naive loop, the spec's teacher
+"""On-policy distillation (engine/methods/distill.py): the per-token advantage against a naive loop, the spec's teacher
 rules, a tiny job that brings the digits SFT model to a teacher that knows the answers (its reverse KL halved, its
 accuracy up) with every metric reported, exact resume with a reward mixed in, and a teacher of another tokenizer
 refused when the job starts."""
@@ -13,11 +13,11 @@ import torch
 from pydantic import ValidationError
 
 from engine.builtin import digits
-from engine.config import JobSpec, vocabulary_mismatch
-from engine.data import load_rows
-from engine.distill import distill_advantages
-from engine.grpo import STD_EPS
-from engine.policy_losses import POLICY_LOSSES
+from engine.core.data import load_rows
+from engine.methods.distill import distill_advantages
+from engine.methods.grpo import STD_EPS
+from engine.spec.config import JobSpec, vocabulary_mismatch
+from engine.spec.policy_losses import POLICY_LOSSES
 from tests.engine.helpers import COMMON_METRICS, assert_all_finite, final_model_dir, is_timing, load_weights, train
 from tests.models import build_model, write_jsonl
 from tests.recorder import Recorder

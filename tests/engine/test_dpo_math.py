@@ -1,4 +1,4 @@
-"""engine.dpo against naive per-example, per-token Python loops written from the papers' formulas."""
+"""engine.methods.dpo against naive per-example, per-token Python loops written from the papers' formulas."""
 
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from engine.dpo import DPOLossOut, dpo_loss, sequence_logps
-from engine.ops import logprobs_from_logits
+from engine.core.ops import logprobs_from_logits
+from engine.methods.dpo import DPOLossOut, dpo_loss, sequence_logps
 
 # --- sequence_logps ------------------------------------------------------------------------------
 
@@ -32,7 +32,7 @@ def _batch(seed: int, shape: tuple[int, int, int], rows: list[tuple[int, int]], 
 
 
 def _sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """What DPO computes of whole logits: each next token's log-prob (engine.models.token_logprobs from position
+    """What DPO computes of whole logits: each next token's log-prob (engine.core.models.token_logprobs from position
     1, the logits made at once), summed over the trained tokens."""
     return sequence_logps(logprobs_from_logits(logits[:, :-1], labels[:, 1:].clamp(min=0)), labels)
 

@@ -1,4 +1,4 @@
-"""DPO end to end (engine/dpo_train.py) from the session's SFT model: metrics, learning, the saved policy, exact
+"""DPO end to end (engine/methods/dpo_train.py) from the session's SFT model: metrics, learning, the saved policy, exact
 resume against the starting model as reference, gradient accumulation, LoRA (the reference is the policy with
 its adapters off), the loss variants, a Llama with chat preference rows, and the spec's refusals.
 
@@ -16,12 +16,12 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.config import JobSpec
-from engine.data import load_rows
-from engine.dpo import sequence_logps
-from engine.dpo_train import encode_preference_batch
-from engine.loop import JobResult
-from engine.ops import logprobs_from_logits
+from engine.core.data import load_rows
+from engine.core.loop import JobResult
+from engine.core.ops import logprobs_from_logits
+from engine.methods.dpo import sequence_logps
+from engine.methods.dpo_train import encode_preference_batch
+from engine.spec.config import JobSpec
 from tests.engine.helpers import (
     COMMON_METRICS,
     Pretrained,

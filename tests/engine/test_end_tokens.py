@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.config import JobSpec
-from engine.data import encode_prompts
-from engine.generate import Decoder, generate, sample
-from engine.models import StopTokenError, load_causal_lm, load_tokenizer, resolve_stop_token, stop_token_ids
+from engine.core.data import encode_prompts
+from engine.core.generate import Decoder, generate, sample
+from engine.core.models import StopTokenError, load_causal_lm, load_tokenizer, resolve_stop_token, stop_token_ids
+from engine.spec.config import JobSpec
 from tests.end_tokens import ANSWER, LLAMA3, PHI3, Family, build_end_of_turn_model
 from tests.engine.helpers import final_model_dir, train
 from tests.models import chat_rows, write_jsonl

@@ -1,4 +1,4 @@
-"""engine/graders.py: the reward graders' specs, their scores (against the libraries they wrap), the formula
+"""engine/rewards/graders.py: the reward graders' specs, their scores (against the libraries they wrap), the formula
 interpreter, the operator allow-lists, and the http grader against a real reward service on loopback."""
 
 import http.server
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from engine import graders
 from engine.callbacks import StopRequest
-from engine.graders import (
+from engine.rewards import graders
+from engine.rewards.graders import (
     ModelGrader,
     RewardError,
     RewardFunctionError,
@@ -401,7 +401,7 @@ def test_samples_must_be_one_length() -> None:
 
 
 def test_the_module_loads_no_heavy_library() -> None:
-    code = "import sys, engine.graders; print(' '.join(sys.modules))"
+    code = "import sys, engine.rewards.graders; print(' '.join(sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     loaded = {name.split(".")[0] for name in out.split()}
     assert "pydantic" in loaded

@@ -1,5 +1,6 @@
-"""engine.grpo (and the k2 KL estimator) against naive per-sample, per-token loops of the papers' formulas, and the
-KL estimators' gradients as a reward and as a loss term, which decide where each is accepted (engine/config.py)."""
+"""engine.methods.grpo (and the k2 KL estimator) against naive per-sample, per-token loops of the papers' formulas, and
+the KL estimators' gradients as a reward and as a loss term, which decide where each is accepted
+(engine/spec/config.py)."""
 
 import math
 import statistics
@@ -7,8 +8,8 @@ import statistics
 import pytest
 import torch
 
-from engine.grpo import STD_EPS, clipped_surrogate, kl_to_go, sequence_advantages, tied_groups, token_advantages
-from engine.ops import aggregate, kl_per_token
+from engine.core.ops import aggregate, kl_per_token
+from engine.methods.grpo import STD_EPS, clipped_surrogate, kl_to_go, sequence_advantages, tied_groups, token_advantages
 
 G = 4
 LENGTHS = [5, 1, 3, 5, 2, 4, 5, 3]  # two groups of four samples

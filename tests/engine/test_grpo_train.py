@@ -1,4 +1,4 @@
-"""GRPO end to end (engine/grpo_train.py): group sampling, learning on the verifiable digits task, the reward
+"""GRPO end to end (engine/methods/grpo_train.py): group sampling, learning on the verifiable digits task, the reward
 sources giving the same curve (a rule, a Python function, an HTTP service on loopback), every estimator, exact
 resume, gradient accumulation, LoRA on a Llama with chat prompts, a reward model, and the reward faults."""
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from engine.builtin import digits
-from engine.config import K1_LOSS_TERM_WARNING, JobSpec
-from engine.data import encode_prompts, load_rows
+from engine.core.data import encode_prompts, load_rows
+from engine.core.generate import sample
+from engine.core.models import load_causal_lm, load_tokenizer, resolve_model_ref
 from engine.demo import TASKS, evaluate_policy
-from engine.generate import sample
-from engine.graders import RewardFunctionError, RewardServiceError
-from engine.models import load_causal_lm, load_tokenizer, resolve_model_ref
+from engine.rewards.graders import RewardFunctionError, RewardServiceError
+from engine.spec.config import K1_LOSS_TERM_WARNING, JobSpec
 from tests.engine.helpers import (
     COMMON_METRICS,
     Pretrained,

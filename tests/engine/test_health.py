@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from engine.config import JobSpec, PPOConfig
-from engine.health import CollapseMonitor, TrainingCollapseError
+from engine.core.health import CollapseMonitor, TrainingCollapseError
+from engine.spec.config import JobSpec, PPOConfig
 from tests.engine.helpers import Pretrained, make_spec, train
 from tests.recorder import Recorder
 

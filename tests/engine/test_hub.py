@@ -12,8 +12,9 @@ import pytest
 from huggingface_hub import constants
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from engine import builtin, hub
-from engine.models import ModelNotFoundError, load_causal_lm, load_tokenizer
+from engine import builtin
+from engine.core.models import ModelNotFoundError, load_causal_lm, load_tokenizer
+from engine.spec import hub
 from tests.hf_cache import put_in_cache, use_cache
 
 REPO_ID = "someorg/tiny-model"

@@ -1,4 +1,4 @@
-"""The chassis every loop uses (engine/learner.py): a minibatch's gradients do not depend on how it is split into
+"""The chassis every loop uses (engine/core/learner.py): a minibatch's gradients do not depend on how it is split into
 micro-batches, the objective's terms are the formulas', the optimizer step clips the norm of every group together,
 and the update driver shuffles, counts and stops as documented."""
 
@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from engine.config import SFTConfig
-from engine.distributed import Ranks
-from engine.learner import Learner, LossInputs, Objective, Tokens, accumulate, micro_batches, run_updates
-from engine.loop import make_optimizer, make_scheduler
-from engine.models import load_causal_lm, load_tokenizer, token_logprobs
-from engine.ops import kl_per_token
-from engine.policy_losses import LossSettings
+from engine.core.distributed import Ranks
+from engine.core.learner import Learner, LossInputs, Objective, Tokens, accumulate, micro_batches, run_updates
+from engine.core.loop import make_optimizer, make_scheduler
+from engine.core.models import load_causal_lm, load_tokenizer, token_logprobs
+from engine.core.ops import kl_per_token
+from engine.spec.config import SFTConfig
+from engine.spec.policy_losses import LossSettings
 
 P, T, N = 4, 5, 6
 
@@ -125,7 +125,7 @@ def test_run_updates_shuffles_each_pass_and_stops_at_the_limit(learner: Learner)
 
 
 def test_run_updates_refuses_a_non_finite_loss(learner: Learner) -> None:
-    from engine.loop import NonFiniteLossError
+    from engine.core.loop import NonFiniteLossError
 
     with pytest.raises(NonFiniteLossError):
         run_updates(learner, 2, 2, 1, torch.Generator(), lambda inds, u: {"pg": math.nan}, ("pg",), 3)

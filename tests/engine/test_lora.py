@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from engine.models import load_causal_lm, load_tokenizer
+from engine.core.models import load_causal_lm, load_tokenizer
 from tests.engine.helpers import Pretrained, load_weights, make_spec, train
 from tests.recorder import Recorder
 

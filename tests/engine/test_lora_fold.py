@@ -1,4 +1,4 @@
-"""Folded LoRA rollouts (``engine.models.folded_adapters``): sampling with the adapters added into the float32 base
+"""Folded LoRA rollouts (``engine.core.models.folded_adapters``): sampling with the adapters added into the float32 base
 weights gives the adapter path's tokens and log-probabilities, and the base weights come back bit-identical
 however many times they are folded, so training with folded rollouts ends where training with unfused ones does.
 In bfloat16 the sampler's log-probs agree with the unfused training pass as closely as a model without adapters
@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-import engine.learner
-from engine.config import LoraSpec
-from engine.distributed import Ranks
-from engine.generate import sample
-from engine.learner import Learner, Sampling, base_of
-from engine.models import apply_lora, folded_adapters, load_causal_lm, load_tokenizer, prepare, token_logprobs
+import engine.core.learner
+from engine.core.distributed import Ranks
+from engine.core.generate import sample
+from engine.core.learner import Learner, Sampling, base_of
+from engine.core.models import apply_lora, folded_adapters, load_causal_lm, load_tokenizer, prepare, token_logprobs
+from engine.spec.config import LoraSpec
 from tests.models import build_model
 
 
@@ -163,7 +163,7 @@ def test_float32_layers_fold_and_bf16_ones_keep_their_adapters(tmp_path: Path, d
 def test_bf16_lora_rollouts_sample_folded_and_keep_the_training_pass_log_probs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str
 ) -> None:
-    """A rollout's sampling (engine.learner.Learner.sample) runs folded, at the full model's speed, even in
+    """A rollout's sampling (engine.core.learner.Learner.sample) runs folded, at the full model's speed, even in
     bfloat16; the log-probs it hands PPO are the training pass's, within 1.5x the no-LoRA sampler's gap."""
     from peft.tuners.lora import LoraLayer
 
@@ -175,7 +175,7 @@ def test_bf16_lora_rollouts_sample_folded_and_keep_the_training_pass_log_probs(
         merged_while_sampling.append(all(layer.merged for layer in layers))
         return sample(*args, **kwargs)
 
-    monkeypatch.setattr(engine.learner, "sample", watched)
+    monkeypatch.setattr(engine.core.learner, "sample", watched)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (16, 8), generator=generator)  # (B, P)
     mask = (torch.arange(8) >= torch.randint(0, 7, (16, 1), generator=generator)).long()  # left padding

@@ -1,4 +1,4 @@
-"""engine.ops against naive references written with plain Python loops."""
+"""engine.core.ops against naive references written with plain Python loops."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from engine.ops import (
+from engine.core.ops import (
     entropy_from_logits,
     first_true_index,
     last_valid_index,

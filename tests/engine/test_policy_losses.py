@@ -1,5 +1,5 @@
-"""engine.policy_losses against naive per-token loops of each paper's formula (values, and gradients with respect to
-the log-probs by autograd on float64 scalars), the registry, the refactor's identity with the surrogates it
+"""engine.spec.policy_losses against naive per-token loops of each paper's formula (values, and gradients with respect
+to the log-probs by autograd on float64 scalars), the registry, the refactor's identity with the surrogates it
 replaces, its import without torch; then each loss learning the digits task in GRPO."""
 
 import math
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from engine.builtin import digits
-from engine.config import JobSpec
-from engine.data import load_rows
+from engine.core.data import load_rows
+from engine.core.models import resolve_model_ref
 from engine.demo import TASKS, evaluate_policy
-from engine.grpo import clipped_surrogate
-from engine.models import resolve_model_ref
-from engine.policy_losses import POLICY_LOSSES, LossSettings, PolicyLossOut, rollout_correction
-from engine.ppo import policy_loss
+from engine.methods.grpo import clipped_surrogate
+from engine.methods.ppo import policy_loss
+from engine.spec.config import JobSpec
+from engine.spec.policy_losses import POLICY_LOSSES, LossSettings, PolicyLossOut, rollout_correction
 from tests.engine.helpers import train
 from tests.models import write_jsonl
 
@@ -109,7 +109,7 @@ def test_the_registry_holds_the_four_losses() -> None:
 
 
 def test_policy_losses_import_without_torch() -> None:
-    code = "import sys, engine.policy_losses\nprint('\\n'.join(sys.modules))"
+    code = "import sys, engine.spec.policy_losses\nprint('\\n'.join(sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     loaded = {name.split(".")[0] for name in out.stdout.split()}
     assert "engine" in loaded  # the check is meaningful: the module really was imported

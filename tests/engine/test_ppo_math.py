@@ -1,4 +1,4 @@
-"""engine.ppo against naive per-row, per-token Python loops."""
+"""engine.methods.ppo against naive per-row, per-token Python loops."""
 
 import math
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from engine.ops import kl_per_token
-from engine.ppo import (
+from engine.core.ops import kl_per_token
+from engine.methods.ppo import (
     AdaptiveKLController,
     FixedKLController,
     RunningMoments,

@@ -1,5 +1,5 @@
-"""PPO with a ``reward`` object (engine/graders.py) instead of a reward model, and with an ``eval_reward``: rules
-score the decoded text and the critic starts from the policy; a reward of one model grader is the reward_model
+"""PPO with a ``reward`` object (engine/rewards/graders.py) instead of a reward model, and with an ``eval_reward``:
+rules score the decoded text and the critic starts from the policy; a reward of one model grader is the reward_model
 shorthand exactly; a multi grader's components are logged each; eval_reward judges the held-out samples."""
 
 from pathlib import Path
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from engine.builtin import digits
-from engine.config import JobSpec
+from engine.spec.config import JobSpec
 from tests.engine.helpers import PPO_METRICS, Pretrained, assert_all_finite, is_timing, train
 
 SMALL = {

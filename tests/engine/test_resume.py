@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint import JOB_FILE
-from engine.config import JobSpec
+from engine.core.checkpoint import JOB_FILE
+from engine.spec.config import JobSpec
 from tests.engine.helpers import EVAL_DATASETS, Pretrained, is_timing, load_weights, make_spec, ppo_spec, train
 from tests.recorder import Recorder
 

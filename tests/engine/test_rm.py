@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from engine.data import load_rows
-from engine.models import load_scalar_model, load_tokenizer, resolve_model_ref
-from engine.rm import encode_pairs, evaluate_pairs
+from engine.core.data import load_rows
+from engine.core.models import load_scalar_model, load_tokenizer, resolve_model_ref
+from engine.methods.rm import encode_pairs, evaluate_pairs
 from tests.engine.helpers import (
     RM_FIXTURE_STEPS,
     RM_METRICS,

@@ -8,8 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from api.datasets import summarize
-from engine.data import encode_sft_example, special_prefix, text_ids
-from engine.rows import DatasetError, parse_line
+from engine.core.data import encode_sft_example, special_prefix, text_ids
+from engine.spec.rows import DatasetError, parse_line
 from tests.models import build_tokenizer
 
 USER = {"role": "user", "content": "Finish this review: the film was"}

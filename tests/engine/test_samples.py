@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from engine.builtin import digits
-from engine.config import JobSpec
+from engine.spec.config import JobSpec
 from tests.engine.helpers import Pretrained, ppo_spec, train
 from tests.engine.test_grpo_train import grpo_spec
 

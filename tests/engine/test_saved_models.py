@@ -1,4 +1,4 @@
-"""Every saved model loads back whole (engine/models.py ``save_model``, ``merged_state_dict``, ``check_saved``):
+"""Every saved model loads back whole (engine/core/models.py ``save_model``, ``merged_state_dict``, ``check_saved``):
 for each architecture of tests/models.py, in full and with LoRA, plain transformers loads the saved folder with
 no missing or unexpected weight, and the weights it loads are the engine's model's (its adapters merged). A save
 that would not load back whole fails instead, naming the weights; and LoRA on the fused experts of an MoE
@@ -14,8 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
 from engine import builtin
-from engine.config import JobSpec, LoraSpec
-from engine.models import (
+from engine.core.models import (
     IncompleteSaveError,
     apply_lora,
     check_saved,
@@ -25,6 +24,7 @@ from engine.models import (
     load_tokenizer,
     save_model,
 )
+from engine.spec.config import JobSpec, LoraSpec
 from tests.engine.helpers import final_model_dir, train
 from tests.models import ARCHITECTURES, MORE_ARCHITECTURES, build_model, build_tokenizer
 

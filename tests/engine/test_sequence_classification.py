@@ -1,5 +1,5 @@
 """Models that cannot be what a job needs fail at once with a short message naming why: an architecture without
-a sequence-classification class as a reward model (engine/sequence_classification.py, the torch-free list the API
+a sequence-classification class as a reward model (engine/spec/sequence_classification.py, the torch-free list the API
 checks at submit, kept equal to the installed transformers'), a model folder without a tokenizer, and a folder that
 does not exist."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
-from engine.models import ModelNotFoundError, RewardModelError, load_scalar_model, load_tokenizer
-from engine.sequence_classification import SEQUENCE_CLASSIFICATION_TYPES
+from engine.core.models import ModelNotFoundError, RewardModelError, load_scalar_model, load_tokenizer
+from engine.spec.sequence_classification import SEQUENCE_CLASSIFICATION_TYPES
 from tests.models import build_model
 
 

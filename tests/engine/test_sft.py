@@ -9,7 +9,7 @@ import torch
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.checkpoint import JOB_FILE, STATE_FILE
+from engine.core.checkpoint import JOB_FILE, STATE_FILE
 from tests.engine.helpers import (
     EVAL_DATASETS,
     SFT_METRICS,

@@ -1,4 +1,4 @@
-"""Sampling through a :class:`engine.generate.Decoder`: static KV caches, one per padded shape, reused across
+"""Sampling through a :class:`engine.core.generate.Decoder`: static KV caches, one per padded shape, reused across
 rollouts, and decoding steps compiled a bounded number of times. It samples the tokens the growing cache samples,
 with the same log-probabilities up to rounding, on the models users bring; a job's models die with the job.
 
@@ -15,14 +15,14 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from engine import generate
 from engine.builtin import digits
 from engine.callbacks import Callbacks
-from engine.config import JobSpec
-from engine.data import encode_prompts
-from engine.generate import BUCKET_LEVELS, Decoder, bucket, sample
-from engine.models import load_causal_lm, load_tokenizer, token_logprobs
+from engine.core import generate
+from engine.core.data import encode_prompts
+from engine.core.generate import BUCKET_LEVELS, Decoder, bucket, sample
+from engine.core.models import load_causal_lm, load_tokenizer, token_logprobs
 from engine.run import run_job
+from engine.spec.config import JobSpec
 from tests.models import build_model
 
 PROMPTS = ["we watched the film and it was", "the food", "i think this one is"]
@@ -30,7 +30,7 @@ PROMPTS = ["we watched the film and it was", "the food", "i think this one is"]
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo() -> None:
-    """Each test starts with no compiled code (as each job does: :func:`engine.generate.release_compiled`), so no
+    """Each test starts with no compiled code (as each job does: :func:`engine.core.generate.release_compiled`), so no
     earlier test's compiles count against dynamo's recompile limit."""
     torch.compiler.reset()
 
@@ -211,7 +211,7 @@ def test_a_finished_job_leaves_no_compiled_decoder_holding_its_models(
         "hyperparameters": {"total_steps": 2, "batch_size": 4, "mini_batch_size": 4, "response_length": 6,
                             "stop_token": None, **group},
     })  # fmt: skip
-    with caplog.at_level("INFO", logger="engine.generate"):
+    with caplog.at_level("INFO", logger="engine.core.generate"):
         result = run_job(spec, tmp_path / "job", Recorded(), torch.device("cpu"))
     gc.collect()
     assert result.status == "succeeded"

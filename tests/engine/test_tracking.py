@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from engine.checkpoint import JOB_FILE, list_checkpoints
-from engine.config import JobSpec
+from engine.core.checkpoint import JOB_FILE, list_checkpoints
 from engine.run import run_job
+from engine.spec.config import JobSpec
 from engine.tracking import BACKENDS, Tracker, TrackingOptions, switched_on
 from tests.engine.helpers import CPU, make_spec
 from tests.helpers import free_port

@@ -19,8 +19,8 @@ import pytest
 import redis
 import torch
 
-from engine.config import JobSpec
 from engine.run import run_job as run_engine
+from engine.spec.config import JobSpec
 from tests.engine.helpers import Pretrained
 from tests.faults.helpers import (
     PPO_STEPS,

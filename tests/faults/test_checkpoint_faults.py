@@ -4,7 +4,7 @@
   stays listed and generates — a real ``rlhf serve``;
 - a worker killed (SIGKILL) between writing a checkpoint and renaming it into place: the job resumes from the
   previous complete checkpoint, and no half-written checkpoint is ever listed, by the API or by
-  ``engine.checkpoint.list_checkpoints`` — a real ``rlhf serve`` whose processes load a test-only
+  ``engine.core.checkpoint.list_checkpoints`` — a real ``rlhf serve`` whose processes load a test-only
   ``sitecustomize`` that holds that rename until the test has killed the worker;
 - the engine killed while a checkpoint is half written, or while an old one is half deleted: resuming
   continues from the newest complete one, and the leftovers are removed.
@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.checkpoint import STATE_FILE, list_checkpoints
+from engine.core.checkpoint import STATE_FILE, list_checkpoints
 from jobs.client import Client
 from jobs.demo import embedded_server
 from tests.helpers import free_port, wait_until
@@ -250,9 +250,9 @@ ENGINE_RUN = textwrap.dedent(
     import json, os, shutil, sys, time
     from pathlib import Path
 
-    import engine.checkpoint as checkpoint
+    import engine.core.checkpoint as checkpoint
     from engine.callbacks import Callbacks
-    from engine.config import JobSpec
+    from engine.spec.config import JobSpec
     from engine.run import run_job
 
     spec, out_dir, fault, marker = json.loads(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4])

@@ -17,10 +17,10 @@ import openai
 import pytest
 import torch
 
-from engine.config import JobSpec
-from engine.generate import generate
-from engine.models import load_causal_lm, load_tokenizer
+from engine.core.generate import generate
+from engine.core.models import load_causal_lm, load_tokenizer
 from engine.run import run_job
+from engine.spec.config import JobSpec
 from jobs.client import Client, ClientError
 from jobs.demo import embedded_server
 from tests.models import SYSTEM_PROMPT, build_model, chat_rows, openai_rows, write_jsonl

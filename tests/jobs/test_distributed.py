@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from engine.callbacks import StopRequest
-from engine.config import JobSpec
 from engine.run import run_job
+from engine.spec.config import JobSpec
 from jobs.distributed import RankFailure, run_distributed
 from tests.recorder import Recorder
 from tests.reward_service import RuleService

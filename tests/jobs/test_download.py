@@ -16,7 +16,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from api.main import create_app
-from engine.models import load_causal_lm, load_tokenizer
+from engine.core.models import load_causal_lm, load_tokenizer
 from jobs import cli, runner
 from jobs.store.settings import Settings
 from tests.factories import create_job, make_settings, new_project

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session
 
-from engine.models import resolve_model_ref
-from engine.reward import score_texts
+from engine.core.models import resolve_model_ref
+from engine.rewards.reward_model import score_texts
 from jobs import inference, runner
 from jobs.inference import GenerateError, LRUCache
 from jobs.store import crud, db

@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from engine import generate as engine_generate
-from engine.models import load_causal_lm, load_tokenizer
+from engine.core import generate as engine_generate
+from engine.core.models import load_causal_lm, load_tokenizer
 from jobs import inference
 from jobs.inference import ChatTemplateMissing, GenerateError
 

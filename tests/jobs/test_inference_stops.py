@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from engine.models import load_causal_lm, load_tokenizer
+from engine.core.models import load_causal_lm, load_tokenizer
 from jobs import inference
 from tests.end_tokens import ANSWER, LLAMA3, PHI3, build_end_of_turn_model
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import JobSpec
-from engine.models import load_causal_lm, load_tokenizer, save_model
+from engine.core.models import load_causal_lm, load_tokenizer, save_model
 from engine.run import run_job as run_engine
+from engine.spec.config import JobSpec
 from jobs.client import KEY_FILE
 from jobs.demo import embedded_server
 from jobs.store import crud, db, refs

@@ -12,11 +12,11 @@ import pytest
 import torch
 from sqlalchemy.exc import OperationalError
 
-from engine.data import DatasetError
-from engine.health import TrainingCollapseError
-from engine.loop import NonFiniteLossError
-from engine.models import IncompleteSaveError, ModelNotFoundError
-from engine.rows import ChatTemplateMissingError
+from engine.core.data import DatasetError
+from engine.core.health import TrainingCollapseError
+from engine.core.loop import NonFiniteLossError
+from engine.core.models import IncompleteSaveError, ModelNotFoundError
+from engine.spec.rows import ChatTemplateMissingError
 from jobs import runner
 from jobs.store import crud, db
 from jobs.store.models import utcnow

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 from huggingface_hub import constants
 
-from engine import checkpoint, hub
-from engine.config import vocabulary_mismatch
+from engine.core import checkpoint
+from engine.spec import hub
+from engine.spec.config import vocabulary_mismatch
 from jobs import runner
 from jobs.downloads import cached_snapshot, model_files
 from jobs.store.models import Job

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from api.main import create_app
 from api.schemas import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, MAX_PROMPTS
-from engine.config import METADATA_MAX_KEY_CHARS, METADATA_MAX_KEYS, METADATA_MAX_VALUE_CHARS
+from engine.spec.config import METADATA_MAX_KEY_CHARS, METADATA_MAX_KEYS, METADATA_MAX_VALUE_CHARS
 from jobs.store.settings import Settings
 from tests.api.helpers import PPO_SPEC, SFT_SPEC, Calls, Db, error_of
 from tests.factories import Project, make_settings

@@ -207,7 +207,7 @@ def test_a_spec_cannot_turn_on_remote_code(client: TestClient, calls: Calls, spe
 def test_the_engine_always_loads_with_trust_remote_code_false(monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers
 
-    from engine import models
+    from engine.core import models
 
     seen: list[tuple[str, dict[str, Any]]] = []
 

@@ -1,4 +1,4 @@
-"""``POST /v1/jobs`` chooses what a spec leaves out "auto" (engine/auto.py): the epochs or steps from the dataset's
+"""``POST /v1/jobs`` chooses what a spec leaves out "auto" (engine/spec/auto.py): the epochs or steps from the dataset's
 rows, the learning rate from the model's width; explicit values win, and the stored spec shows what was chosen. And a
 DPO job left at its defaults learns: a preference task no other test trains on moves by a clear amount."""
 

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event
 
 from api.main import create_app
-from engine.config import MAX_BATCH_SIZE
+from engine.spec.config import MAX_BATCH_SIZE
 from jobs.store.db import engine_for
 from jobs.store.settings import Settings
 from tests.api.helpers import PPO_SPEC, RM_SPEC, SFT_SPEC, Calls, Db, error_of

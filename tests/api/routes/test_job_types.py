@@ -1,4 +1,4 @@
-"""``GET /v1/job_types``: the registry (engine.config.JOB_TYPES) as clients see it, the dashboard's new-job form
+"""``GET /v1/job_types``: the registry (engine.spec.config.JOB_TYPES) as clients see it, the dashboard's new-job form
 among them. A type added to the registry is listed with no change to the API."""
 
 from typing import Any
@@ -8,8 +8,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.schemas import JobTypePublic
-from engine import config
-from engine.config import JOB_TYPES, JobTypeInfo, SFTConfig
+from engine.spec import config
+from engine.spec.config import JOB_TYPES, JobTypeInfo, SFTConfig
 from tests.api.helpers import Calls, error_of
 
 BUILTIN_BY_KIND = {
@@ -114,7 +114,7 @@ def test_a_type_added_to_the_registry_is_listed_with_no_api_change(
         config=SFTConfig,
         dataset="preference",
         output="policy",
-        trainer="engine.sft:train_sft",
+        trainer="engine.methods.sft:train_sft",
         metrics=("loss/fake", "fake/accuracy"),
         demo={"dataset": "builtin:reviews-prefs", "hyperparameters": {"batch_size": 8}},
     )

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from api.main import create_app
 from engine.builtin import TOKENIZER_FILE
-from engine.config import vocabulary_mismatch
+from engine.spec.config import vocabulary_mismatch
 from jobs.store import crud
 from jobs.store.settings import Settings
 from tests.api.helpers import PPO_SPEC, RM_SPEC, SFT_SPEC, Calls, Db, error_of, jsonl

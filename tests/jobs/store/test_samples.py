@@ -5,7 +5,7 @@ PostgreSQL."""
 from pathlib import Path
 from typing import Any
 
-from engine.config import JobSpec
+from engine.spec.config import JobSpec
 from jobs.runner import DbCallbacks
 from jobs.store import crud
 from jobs.store.db import session_scope

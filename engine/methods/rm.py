@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
-from engine.config import JobSpec, RMConfig
-from engine.data import batch_indices, encode_completion, labelled_batch, preference_parts
-from engine.learner import Learner, accumulate
-from engine.loop import JobResult, check_finite, encoded_batches, open_supervised
-from engine.models import ScalarHead, lm_head_weight
-from engine.ops import reward_index
+from engine.core.data import batch_indices, encode_completion, labelled_batch, preference_parts
+from engine.core.learner import Learner, accumulate
+from engine.core.loop import JobResult, check_finite, encoded_batches, open_supervised
+from engine.core.models import ScalarHead, lm_head_weight
+from engine.core.ops import reward_index
+from engine.spec.config import JobSpec, RMConfig
 
 
 def encode_pairs(

@@ -24,19 +24,19 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from engine.builtin import DATASETS, TINY_MODEL, digits
-from engine.graders import Grader, ModelGrader
-from engine.policy_losses import DUAL_CLIP_LOSSES, POLICY_LOSSES, LossSettings
-from engine.rows import DatasetKind, dataset_kind
+from engine.rewards.graders import Grader, ModelGrader
+from engine.spec.policy_losses import DUAL_CLIP_LOSSES, POLICY_LOSSES, LossSettings
+from engine.spec.rows import DatasetKind, dataset_kind
 
 Scheduler = Literal["constant", "linear", "cosine"]
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
-"""GRPOConfig's advantage estimators (engine/grpo.py)."""
+"""GRPOConfig's advantage estimators (engine/methods/grpo.py)."""
 Aggregation = Literal["token_mean", "sequence_mean", "constant"]
-"""GRPOConfig's loss aggregations (engine/grpo.py)."""
+"""GRPOConfig's loss aggregations (engine/methods/grpo.py)."""
 WHITENED: tuple[Estimator, ...] = ("reinforce_pp", "reinforce_pp_baseline")
 """The estimators whose advantages are whitened over the batch's tokens."""
 KLEstimator = Literal["k1", "k2", "k3"]
-"""Per-token estimators of KL(π || π_ref) (engine/ops.py ``kl_per_token``, http://joschu.net/blog/kl-approx.html)."""
+"""Per-token estimators of KL(π || π_ref) (engine/core/ops.py ``kl_per_token``, http://joschu.net/blog/kl-approx.html)."""
 K1_LOSS_TERM_WARNING = (
     "kl_estimator k1 as a loss term does not pull the policy towards the reference: on-policy the gradient of "
     "β·(log π - log π_ref) is β·∇log π, whose expectation under π is 0 (it only adds noise); use k3 (the default) or "
@@ -69,7 +69,7 @@ def _known_policy_loss(value: str) -> str:
 PolicyLossName = Annotated[
     str, AfterValidator(_known_policy_loss), WithJsonSchema({"type": "string", "enum": list(POLICY_LOSSES)})
 ]
-"""PPO's and GRPO's ``policy_loss``: a name of :data:`engine.policy_losses.POLICY_LOSSES`."""
+"""PPO's and GRPO's ``policy_loss``: a name of :data:`engine.spec.policy_losses.POLICY_LOSSES`."""
 DualClip = Annotated[float, Field(gt=1, le=1000)]
 """PPO's and GRPO's ``dual_clip``: the cap c > 1 of a negative advantage's loss, -c·A."""
 
@@ -221,7 +221,7 @@ class DPOConfig(SFTConfig):
 
 
 class CollapseConfig(_Strict):
-    """PPO's collapse signals (MOSS-RLHF, arXiv:2307.04964 §2.1, engine/health.py): each step is compared with the
+    """PPO's collapse signals (MOSS-RLHF, arXiv:2307.04964 §2.1, engine/core/health.py): each step is compared with the
     median of the recent ones for a jump of reward or KL, a fall of perplexity, a blow-up of response length."""
 
     action: Literal["off", "warn", "pause", "stop"] = "warn"
@@ -337,7 +337,7 @@ class PPOConfig(TrainConfig):
     cliprange: Annotated[float, Field(gt=0, le=10)] = 0.2
     """Policy ratio clip ε."""
     policy_loss: PolicyLossName = "ppo_clip"
-    """The policy's loss on each token (engine/policy_losses.py): ``ppo_clip``, PPO's clipped surrogate, the
+    """The policy's loss on each token (engine/spec/policy_losses.py): ``ppo_clip``, PPO's clipped surrogate, the
     ratio π/π_old kept in 1 ± ``cliprange``; ``importance_sampling``, REINFORCE weighted by the unclipped ratio
     (Tinker's); ``cispo``, the ratio clipped to 1 ± ``cliprange`` as a detached weight of every token's log-prob
     gradient, so no token's gradient is dropped (MiniMax-M1, arXiv:2506.13585); ``gspo``, one ratio per response,
@@ -492,7 +492,7 @@ class GroupSamplingConfig(TrainConfig):
     """The ratio is clipped above at 1 + cliprange_high; above ``cliprange_low`` it is DAPO's clip-higher
     (arXiv:2503.14476, 0.28), which keeps rare tokens' probabilities free to grow."""
     policy_loss: PolicyLossName = "ppo_clip"
-    """The policy's loss on each token (engine/policy_losses.py): ``ppo_clip``, PPO's clipped surrogate, the
+    """The policy's loss on each token (engine/spec/policy_losses.py): ``ppo_clip``, PPO's clipped surrogate, the
     ratio π/π_old kept in [1 - ``cliprange_low``, 1 + ``cliprange_high``]; ``importance_sampling``, REINFORCE
     weighted by the unclipped ratio (Tinker's); ``cispo``, the ratio clipped to that range as a detached weight of
     every token's log-prob gradient, so no token's gradient is dropped (MiniMax-M1, arXiv:2506.13585, which bounds
@@ -733,7 +733,7 @@ class JobTypeInfo:
     config: type[TrainConfig]
     """The class of ``hyperparameters``."""
     dataset: DatasetKind
-    """The kind of ``dataset`` and ``eval_dataset`` (engine.rows)."""
+    """The kind of ``dataset`` and ``eval_dataset`` (engine.spec.rows)."""
     output: Literal["policy", "reward_model"]
     """What it trains: a policy (it generates, and may start any job) or a reward model (it scores, and may start
     a reward model or be a ``reward_model``)."""
@@ -770,7 +770,7 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
         config=SFTConfig,
         dataset="sft",
         output="policy",
-        trainer="engine.sft:train_sft",
+        trainer="engine.methods.sft:train_sft",
         metrics=("loss/sft", "eval/loss"),
         openai_method="supervised",
         demo={
@@ -791,7 +791,7 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
         config=RMConfig,
         dataset="preference",
         output="reward_model",
-        trainer="engine.rm:train_rm",
+        trainer="engine.methods.rm:train_rm",
         metrics=("loss/rm", "rm/accuracy", "eval/accuracy", "rm/margin"),
         demo={
             "dataset": "builtin:reviews-prefs",
@@ -805,7 +805,7 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
         config=PPOConfig,
         dataset="prompts",
         output="policy",
-        trainer="engine.ppo_train:train_ppo",
+        trainer="engine.methods.ppo_train:train_ppo",
         metrics=(
             "objective/scores",
             "objective/kl",
@@ -839,7 +839,7 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
         config=DPOConfig,
         dataset="preference",
         output="policy",
-        trainer="engine.dpo_train:train_dpo",
+        trainer="engine.methods.dpo_train:train_dpo",
         openai_method="dpo",
         metrics=(
             "loss/dpo",
@@ -870,7 +870,7 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
         config=GRPOConfig,
         dataset="prompts",
         output="policy",
-        trainer="engine.grpo_train:train_grpo",
+        trainer="engine.methods.grpo_train:train_grpo",
         openai_method="reinforcement",
         metrics=(
             "reward/mean",
@@ -904,7 +904,7 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
         config=DistillConfig,
         dataset="prompts",
         output="policy",
-        trainer="engine.distill:train_distill",
+        trainer="engine.methods.distill:train_distill",
         metrics=(
             "distill/reverse_kl",
             "eval/distill/reverse_kl",
@@ -998,7 +998,7 @@ class JobSpec(_Strict):
     """The reward of ppo and grpo jobs as a model: a succeeded rm job, or any sequence-classification model.
     Shorthand for ``reward: {"type": "model", "model": ...}``; give one of the two."""
     reward: Grader | None = None
-    """The reward of ppo and grpo jobs: a grader (engine/graders.py; OpenAI's grader JSON where it has one):
+    """The reward of ppo and grpo jobs: a grader (engine/rewards/graders.py; OpenAI's grader JSON where it has one):
     ``model``, ``string_check``, ``text_similarity``, ``http``, ``python``, or ``multi`` combining them."""
     eval_reward: Grader | None = None
     """What scores the samples of ``eval_dataset`` (ppo, grpo and distill): any grader; default the training

@@ -15,9 +15,14 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
-from engine.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_job_file, write_spec_file
-from engine.config import JobSpec, SFTConfig, TrainConfig
-from engine.data import (
+from engine.core.checkpoint import (
+    latest_checkpoint,
+    load_trainer_state,
+    save_checkpoint,
+    write_job_file,
+    write_spec_file,
+)
+from engine.core.data import (
     load_rows,
     prompt_ids,
     prompt_length_limit,
@@ -25,8 +30,8 @@ from engine.data import (
     sequence_lengths,
     truncation_warning,
 )
-from engine.distributed import Ranks
-from engine.models import (
+from engine.core.distributed import Ranks
+from engine.core.models import (
     apply_lora,
     check_fits,
     context_length,
@@ -35,6 +40,7 @@ from engine.models import (
     load_tokenizer,
     prepare,
 )
+from engine.spec.config import JobSpec, SFTConfig, TrainConfig
 
 
 class NonFiniteLossError(RuntimeError):

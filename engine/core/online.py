@@ -11,14 +11,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
-from engine.config import DistillConfig, GroupSamplingConfig, GRPOConfig, JobSpec, PPOConfig
-from engine.data import encode_prompts
-from engine.distributed import Ranks
-from engine.generate import decode_warning, job_decoder
-from engine.graders import ModelGrader, RewardScores, Samples
-from engine.learner import Learner, LossInputs, Objective, Reference, Sampling, accumulate, mean
-from engine.loop import Run, load_datasets
-from engine.models import (
+from engine.core.data import encode_prompts
+from engine.core.distributed import Ranks
+from engine.core.generate import decode_warning, job_decoder
+from engine.core.learner import Learner, LossInputs, Objective, Reference, Sampling, accumulate, mean
+from engine.core.loop import Run, load_datasets
+from engine.core.models import (
     check_fits,
     frozen,
     load_causal_lm,
@@ -27,12 +25,14 @@ from engine.models import (
     prepare,
     resolve_stop_token,
 )
-from engine.reward import same_vocabulary
-from engine.rewards import RewardFunction, eval_metrics, grader_scorer, samples_of
-from engine.rollout import Rollout, Scorer, decode_responses, merged, roll_out, text_scorer, token_scorer
+from engine.core.rollout import Rollout, Scorer, decode_responses, merged, roll_out, text_scorer, token_scorer
+from engine.rewards.function import RewardFunction, eval_metrics, grader_scorer, samples_of
+from engine.rewards.graders import ModelGrader, RewardScores, Samples
+from engine.rewards.reward_model import same_vocabulary
+from engine.spec.config import DistillConfig, GroupSamplingConfig, GRPOConfig, JobSpec, PPOConfig
 
 Reward = Callable[[Samples, Sequence[bool]], RewardScores]
-"""A reward of graders (:class:`engine.rewards.RewardFunction`)."""
+"""A reward of graders (:class:`engine.rewards.function.RewardFunction`)."""
 
 
 OnlineConfig = TypeVar("OnlineConfig", PPOConfig, GRPOConfig, DistillConfig)

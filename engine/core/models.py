@@ -27,13 +27,19 @@ from transformers import (
 from transformers.activations import GELUTanh, NewGELUActivation
 
 from engine import builtin
-from engine.config import LoraSpec
-from engine.hub import explain_missing, hub_kwargs, is_hub_id
-from engine.model_refs import TOKENIZER_FILES, model_type_saved, tokenizer_saved
-from engine.model_refs import ModelNotFoundError as ModelNotFoundError  # re-exported: callers catch it from here
-from engine.model_refs import resolve_model_ref as resolve_model_ref
-from engine.ops import chunked_logprobs, entropy_from_logits, logprobs_from_logits, position_ids_from_mask, stop_ids
-from engine.sequence_classification import SEQUENCE_CLASSIFICATION_TYPES
+from engine.core.ops import (
+    chunked_logprobs,
+    entropy_from_logits,
+    logprobs_from_logits,
+    position_ids_from_mask,
+    stop_ids,
+)
+from engine.spec.config import LoraSpec
+from engine.spec.hub import explain_missing, hub_kwargs, is_hub_id
+from engine.spec.model_refs import TOKENIZER_FILES, model_type_saved, tokenizer_saved
+from engine.spec.model_refs import ModelNotFoundError as ModelNotFoundError  # re-exported: callers catch it from here
+from engine.spec.model_refs import resolve_model_ref as resolve_model_ref
+from engine.spec.sequence_classification import SEQUENCE_CLASSIFICATION_TYPES
 
 
 def load_tokenizer(ref: str) -> PreTrainedTokenizerBase:
@@ -291,7 +297,7 @@ def token_logprobs(
     (B, L) -> (B, L - start), (B, L - start) or None. Positions follow the mask.
 
     The model runs to its last hidden state; the logits are made from it :data:`LOGITS_CHUNK_BYTES` at a time
-    (:func:`engine.ops.chunked_logprobs`), so the (B, L, V) logits never exist at once; they are divided by the
+    (:func:`engine.core.ops.chunked_logprobs`), so the (B, L, V) logits never exist at once; they are divided by the
     temperature in float32, as the sampler divides them. An architecture that
     scales or caps its logits (:func:`output_layer` is None) is read through its own forward.
     ``model`` is a causal LM, or one wrapped in DistributedDataParallel or torch.compile.
@@ -406,7 +412,7 @@ def folded_adapters(model: torch.nn.Module, rounded: bool = False) -> Iterator[N
     arithmetic, at the cost of the adapters' own small kernels (two matmuls and their casts): folded into a
     half-precision weight they would be rounded (:data:`FOLDED_DTYPES`). ``rounded``: fold those too, rounded, for
     sampling at the full model's speed whose log-probs are then taken again unfused
-    (:meth:`engine.learner.Learner.sample`).
+    (:meth:`engine.core.learner.Learner.sample`).
 
     The base weights are copied before folding and copied back after, never subtracted again, so folding any
     number of times leaves them bit-identical. A model without adapters is left as it is. An adapted parameter

@@ -13,11 +13,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from engine.callbacks import Callbacks
-from engine.data import encode_prompts
-from engine.models import check_fits, context_length
-from engine.models import stop_token_ids as model_stop_ids
-from engine.ops import is_stop, logprobs_from_logits, position_ids_from_mask, stop_ids, truncate_after_stop
-from engine.rows import Text
+from engine.core.data import encode_prompts
+from engine.core.models import check_fits, context_length
+from engine.core.models import stop_token_ids as model_stop_ids
+from engine.core.ops import is_stop, logprobs_from_logits, position_ids_from_mask, stop_ids, truncate_after_stop
+from engine.spec.rows import Text
 
 
 def sample_next(
@@ -373,7 +373,7 @@ def sample(
     T ≤ max_new_tokens, and their log-probabilities (B·G, T) under the model's full distribution at
     ``temperature`` (before top-k/top-p filtering: the quantity PPO's ratio is taken of), so a PPO rollout needs no
     second policy forward. Tokens after a row's stop token are junk for the caller to truncate
-    (:func:`engine.ops.truncate_after_stop`).
+    (:func:`engine.core.ops.truncate_after_stop`).
 
     ``decoder``: decode on its static caches, through its compiled step (:class:`Decoder`); the same tokens as
     the growing cache, log-probs equal up to rounding. None: the growing cache, eagerly.
@@ -458,7 +458,7 @@ def generate(
     same call returns the same texts. A prompt is text (after the tokenizer's BOS, where it adds one) or chat
     messages (rendered by the chat template with the generation prompt): encoded as training encodes prompts.
 
-    A completion ends at the first of ``stop_token_ids`` (None: the model's, :func:`engine.models.stop_token_ids`,
+    A completion ends at the first of ``stop_token_ids`` (None: the model's, :func:`engine.core.models.stop_token_ids`,
     where transformers' ``generate`` ends), its text without it. Prompts longer than the model's context allows
     (after room for ``max_new_tokens``) keep their end.
     """
@@ -497,6 +497,6 @@ def response_texts(
     tokenizer: PreTrainedTokenizerBase, responses: torch.Tensor, mask: torch.Tensor, stop_token_ids: Sequence[int]
 ) -> list[str]:
     """The text of each response (B, T) up to its stop token, without it, special tokens dropped: what a grader
-    or a client reads. ``mask`` (B, T): 1 on kept tokens, those of :func:`engine.ops.truncate_after_stop`."""
+    or a client reads. ``mask`` (B, T): 1 on kept tokens, those of :func:`engine.core.ops.truncate_after_stop`."""
     text_mask = mask.bool() & ~is_stop(responses, stop_token_ids)  # (B, T): the stop token is the last kept one
     return tokenizer.batch_decode(responses.masked_fill(~text_mask, tokenizer.pad_token_id), skip_special_tokens=True)

@@ -7,10 +7,10 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.callbacks import Callbacks
-from engine.config import JobSpec, SFTConfig
-from engine.data import batch_indices, encode_sft_batch
-from engine.learner import Learner, completion_loss_sum, count_labels, sft_gradients
-from engine.loop import JobResult, check_finite, encoded_batches, open_supervised
+from engine.core.data import batch_indices, encode_sft_batch
+from engine.core.learner import Learner, completion_loss_sum, count_labels, sft_gradients
+from engine.core.loop import JobResult, check_finite, encoded_batches, open_supervised
+from engine.spec.config import JobSpec, SFTConfig
 
 
 @torch.no_grad()

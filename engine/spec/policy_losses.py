@@ -8,7 +8,7 @@ per token, which the caller aggregates over the mask its own way (token mean, se
 where a clip or cap was active (``policy/clipfrac``). Each is tested against a naive per-token loop of its
 paper's formula in tests/engine/test_policy_losses.py.
 
-Importable without torch: engine/config.py, which the API imports torch-free, checks ``policy_loss`` against
+Importable without torch: engine/spec/config.py, which the API imports torch-free, checks ``policy_loss`` against
 :data:`POLICY_LOSSES`. So torch is imported for type checking only, and the bodies use tensor methods alone.
 """
 

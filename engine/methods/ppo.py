@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from engine.config import PPOConfig
-from engine.ops import last_valid_index, masked_var
+from engine.core.ops import last_valid_index, masked_var
+from engine.spec.config import PPOConfig
 
 
 def compute_rewards(

@@ -39,7 +39,7 @@ import httpx
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from engine.callbacks import StopRequest
-from engine.rows import Text
+from engine.spec.rows import Text
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def _evaluate(node: ast.expr, values: Mapping[str, float]) -> float:
 
 
 class _Strict(BaseModel):
-    # engine.config has the same base; a copy here keeps this module free of it (config embeds graders).
+    # engine.spec.config has the same base; a copy here keeps this module free of it (config embeds graders).
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from engine.config import JOB_TYPES
+from engine.spec.config import JOB_TYPES
 
 MIN_TARGET_EXAMPLES = 100
 """Auto epochs: enough that training sees at least this many examples (at most ``MAX_AUTO_EPOCHS``)..."""

@@ -1,4 +1,4 @@
-"""A job's reward as a function of its samples: the graders of engine/graders.py, with the reward models that
+"""A job's reward as a function of its samples: the graders of engine/rewards/graders.py, with the reward models that
 ``model`` graders name loaded once (frozen) and scoring the decoded text with their own tokenizers."""
 
 from collections.abc import Sequence
@@ -7,9 +7,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.data import render
-from engine.distributed import Ranks
-from engine.graders import (
+from engine.core.data import render
+from engine.core.distributed import Ranks
+from engine.core.learner import Tokens
+from engine.core.models import frozen, load_scalar_model, load_tokenizer, prepare
+from engine.core.rollout import Scorer, decode_responses
+from engine.rewards.graders import (
     Grader,
     ModelGrader,
     RewardScores,
@@ -19,10 +22,7 @@ from engine.graders import (
     reward_metrics,
     score,
 )
-from engine.learner import Tokens
-from engine.models import frozen, load_scalar_model, load_tokenizer, prepare
-from engine.reward import score_texts
-from engine.rollout import Scorer, decode_responses
+from engine.rewards.reward_model import score_texts
 
 
 class RewardFunction:

@@ -1,6 +1,6 @@
 """Rollouts, for every online method (PPO, GRPO and its relatives, distillation): sample responses to a batch of
 prompts, ``group_size`` each, then take the reference's log-probs, the reward's scores and, with a critic, its
-values. Every forward here runs without a graph; the training forwards are the :class:`engine.learner.Learner`'s.
+values. Every forward here runs without a graph; the training forwards are the :class:`engine.core.learner.Learner`'s.
 """
 
 from collections.abc import Callable, Mapping, Sequence
@@ -11,16 +11,16 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.distributed import Ranks
-from engine.generate import response_texts
-from engine.graders import RewardScores
-from engine.learner import Learner, Tokens, base_of, chunks
-from engine.models import (
+from engine.core.distributed import Ranks
+from engine.core.generate import response_texts
+from engine.core.learner import Learner, Tokens, base_of, chunks
+from engine.core.models import (
     ScalarHead,
     folded_adapters,
 )
-from engine.ops import is_stop, truncate_after_stop
-from engine.reward import score_texts, sequence_scores
+from engine.core.ops import is_stop, truncate_after_stop
+from engine.rewards.graders import RewardScores
+from engine.rewards.reward_model import score_texts, sequence_scores
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Rollout:
 Scorer = Callable[[Sequence[dict[str, Any]], Tokens], tuple[torch.Tensor, RewardScores | None]]
 """The reward of rollout rows: (their dataset rows, their tokens) -> (scores (n,), and for a reward of graders their
 :class:`RewardScores`, each component's). See :func:`token_scorer`, :func:`text_scorer` and
-:func:`engine.rewards.grader_scorer`."""
+:func:`engine.rewards.function.grader_scorer`."""
 
 
 @torch.inference_mode()
@@ -75,7 +75,7 @@ def roll_out(
     """``group_size`` responses to each query (B, P) of the dataset ``rows``, each up to its first stop token,
     with the sampler's log-probs (:meth:`Learner.sample`), the reference's (none: the policy's own), the
     ``scorer``'s rewards and, with a ``critic`` (a sequence-classification model), its values, taken under
-    :func:`engine.models.folded_adapters` (folded in float32, unfused in half precision, so the values agree with
+    :func:`engine.core.models.folded_adapters` (folded in float32, unfused in half precision, so the values agree with
     the update's). Forwards run ``learner.chunk_size`` rows at a time."""
     raw, raw_logprobs = learner.sample(queries, query_mask, generator, group_size)  # (N, T)
     responses, mask, stopped = truncate_after_stop(raw, learner.sampling.stop_token_ids, pad_token_id)

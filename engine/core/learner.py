@@ -15,13 +15,13 @@ from typing import Any, Literal
 import torch
 from transformers import PreTrainedModel
 
-from engine.config import Aggregation, TrainConfig
-from engine.distributed import Ranks
-from engine.generate import Decoder, sample
-from engine.loop import Run, Start, check_finite, clip_and_step
-from engine.models import folded_adapters, rounds_when_folded, token_logprobs
-from engine.ops import aggregate, kl_per_token
-from engine.policy_losses import POLICY_LOSSES, LossSettings
+from engine.core.distributed import Ranks
+from engine.core.generate import Decoder, sample
+from engine.core.loop import Run, Start, check_finite, clip_and_step
+from engine.core.models import folded_adapters, rounds_when_folded, token_logprobs
+from engine.core.ops import aggregate, kl_per_token
+from engine.spec.config import Aggregation, TrainConfig
+from engine.spec.policy_losses import POLICY_LOSSES, LossSettings
 
 Reference = PreTrainedModel | Literal["base"] | None
 """A policy's reference: a frozen model, ``"base"`` (a LoRA policy with its adapters disabled), or none."""
@@ -48,7 +48,7 @@ class Tokens:
 
 @dataclass(frozen=True)
 class Objective:
-    """A named policy loss (:data:`engine.policy_losses.POLICY_LOSSES`) and how a minibatch reduces it."""
+    """A named policy loss (:data:`engine.spec.policy_losses.POLICY_LOSSES`) and how a minibatch reduces it."""
 
     loss: str
     settings: LossSettings
@@ -100,7 +100,7 @@ def sequence_logprobs(model: torch.nn.Module, batch: Tokens, temperature: float,
 def completion_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Summed cross-entropy of every labelled (completion) token; divide by the token count yourself. ``model``:
     a causal LM, or one wrapped in DistributedDataParallel. The logits are made in chunks
-    (:func:`engine.models.token_logprobs`)."""
+    (:func:`engine.core.models.token_logprobs`)."""
     logprobs, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], start=1)  # (B, L-1)
     return -torch.where(batch["labels"][:, 1:] != -100, logprobs, 0.0).sum()
 
@@ -145,7 +145,7 @@ class Learner:
         self.decoder = decoder
         self.trained = ranks.wrap(head or model, compile=compile)
         """What training passes run through: ``model`` or its ``head`` (a scalar model's
-        :class:`engine.models.ScalarHead`), in DistributedDataParallel with several processes."""
+        :class:`engine.core.models.ScalarHead`), in DistributedDataParallel with several processes."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -156,7 +156,7 @@ class Learner:
         self, run: Run, cfg: TrainConfig, total_steps: int, *more: tuple[list[torch.nn.Parameter], float]
     ) -> Start:
         """AdamW over the policy's parameters at ``cfg.learning_rate`` and ``more`` groups (e.g. a critic's), the
-        schedule, both restored when resuming (:meth:`engine.loop.Run.start_training`); :meth:`optim_step` clips
+        schedule, both restored when resuming (:meth:`engine.core.loop.Run.start_training`); :meth:`optim_step` clips
         the norm of all of them together."""
         start = run.start_training(cfg, total_steps, (self.params, cfg.learning_rate), *more)
         self.optimizer, self.scheduler, self.max_grad_norm = start.optimizer, start.scheduler, cfg.max_grad_norm
@@ -248,10 +248,10 @@ class Learner:
         self, queries: torch.Tensor, query_mask: torch.Tensor, generator: torch.Generator, group_size: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``group_size`` responses to each query (B, P) with their log-probs: raw tokens and log-probs (B·G, T),
-        as :func:`engine.generate.sample` gives them (tokens after a stop are junk for the caller to truncate).
+        as :func:`engine.core.generate.sample` gives them (tokens after a stop are junk for the caller to truncate).
 
         LoRA adapters are folded into the weights for the sampling (the full model's speed). Where folding rounds
-        them (half-precision weights, :func:`engine.models.rounds_when_folded`), the log-probs of the sampled
+        them (half-precision weights, :func:`engine.core.models.rounds_when_folded`), the log-probs of the sampled
         tokens are taken again by the training pass itself (adapters unfused): PPO's old log-probs, ratio,
         approx-KL and KL then agree with the update's. That is one forward over the sampled tokens, where decoding
         unfused pays the adapters' kernels at every token."""

@@ -8,7 +8,7 @@ gradient lowers the sampled reverse KL(student ‖ teacher). With a reward and `
 group advantage × ``reward_coef`` is added on its tokens. Then ``num_iterations`` passes of minibatch updates of the
 job's ``policy_loss`` (default ``ppo_clip``, the clipped surrogate), no KL term beside: the teacher's pull is in
 the advantages. The teacher is the
-:class:`engine.learner.Learner`'s reference, so the rollout takes its log-probs as any reference's.
+:class:`engine.core.learner.Learner`'s reference, so the rollout takes its log-probs as any reference's.
 
 In several processes, as in GRPO: each rank samples (and scores) its share of the prompts; the samples are gathered,
 so every rank computes the advantages over the whole batch, then trains on its share of every minibatch.
@@ -23,14 +23,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
-from engine.config import DistillConfig, JobSpec, vocabulary_mismatch
-from engine.data import batch_indices
-from engine.graders import reward_metrics
-from engine.grpo import sequence_advantages
-from engine.learner import Learner, Objective, Tokens, run_updates
-from engine.loop import JobResult, seed_everything
-from engine.models import check_fits, frozen, load_causal_lm, load_tokenizer, prepare
-from engine.online import (
+from engine.core.data import batch_indices
+from engine.core.learner import Learner, Objective, Tokens, run_updates
+from engine.core.loop import JobResult, seed_everything
+from engine.core.models import check_fits, frozen, load_causal_lm, load_tokenizer, prepare
+from engine.core.online import (
     RolloutRNG,
     held_out,
     open_policy,
@@ -39,9 +36,12 @@ from engine.online import (
     roll_out_rows,
     update_metrics,
 )
-from engine.reward import same_vocabulary
-from engine.rewards import RewardFunction, eval_metrics, gathered, grader_scorer
-from engine.rollout import Scorer, gather_rollout, logged_samples, samples_due
+from engine.core.rollout import Scorer, gather_rollout, logged_samples, samples_due
+from engine.methods.grpo import sequence_advantages
+from engine.rewards.function import RewardFunction, eval_metrics, gathered, grader_scorer
+from engine.rewards.graders import reward_metrics
+from engine.rewards.reward_model import same_vocabulary
+from engine.spec.config import DistillConfig, JobSpec, vocabulary_mismatch
 
 
 def distill_advantages(
@@ -54,7 +54,7 @@ def distill_advantages(
 ) -> torch.Tensor:
     """Advantages (N, T) of the sampled tokens: each kept token's own reverse-KL term, -(log π_student(y_t) -
     log π_teacher(y_t)) (``logprobs``, ``teacher_logprobs``: (N, T)), plus with ``scores`` (N,) ``reward_coef`` ×
-    each sample's GRPO group advantage (engine/grpo.py) on every one of its kept tokens. Detached: the sampling
+    each sample's GRPO group advantage (engine/methods/grpo.py) on every one of its kept tokens. Detached: the sampling
     policy's log-probs are the old ones of the surrogate, not what it differentiates."""
     advantages = teacher_logprobs - logprobs  # (N, T)
     if scores is not None and reward_coef > 0:

@@ -17,7 +17,7 @@ def sequence_logps(token_logps: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     """Σ_t log p(label_t | tokens_<t) over the trained tokens: (B, L-1), (B, L) -> (B,).
 
     ``token_logps`` are the log-probabilities of tokens 1 .. L-1 of the sequences the labels mark
-    (:func:`engine.models.token_logprobs` from position 1), labels of -100 (prompt, padding) contribute 0.
+    (:func:`engine.core.models.token_logprobs` from position 1), labels of -100 (prompt, padding) contribute 0.
     """
     return torch.where(labels[:, 1:] != IGNORE_INDEX, token_logps, 0.0).sum(-1)
 

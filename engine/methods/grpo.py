@@ -1,6 +1,6 @@
 """Critic-free policy-gradient numerics: group baselines and the clipped surrogate with separate clip ranges (the loss
-aggregations, which every method's learner uses, are engine/ops.py's ``aggregate``). Pure functions of tensors, each
-tested against a naive per-example loop of its paper's formula in tests/engine/test_grpo_math.py.
+aggregations, which every method's learner uses, are engine/core/ops.py's ``aggregate``). Pure functions of tensors,
+each tested against a naive per-example loop of its paper's formula in tests/engine/test_grpo_math.py.
 
 Shapes: N = prompts × ``group_size`` samples, the samples of one prompt next to each other (rows
 ``g*G .. g*G + G - 1`` are group g); T response tokens; ``mask`` (N, T) is 1 on the kept tokens.
@@ -8,8 +8,8 @@ Shapes: N = prompts × ``group_size`` samples, the samples of one prompt next to
 
 import torch
 
-from engine.config import WHITENED, Estimator
-from engine.ops import masked_whiten
+from engine.core.ops import masked_whiten
+from engine.spec.config import WHITENED, Estimator
 
 STD_EPS = 1e-4
 """Added to a group's standard deviation before dividing by it (as TRL's GRPO)."""

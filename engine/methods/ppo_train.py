@@ -21,16 +21,15 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
-from engine.config import JobSpec, PPOConfig
-from engine.data import batch_indices, encode_sft_batch, load_rows
-from engine.graders import reward_metrics
-from engine.health import CollapseMonitor, check_collapse
-from engine.learner import Learner, LossInputs, Objective, accumulate, count_labels, mean, run_updates
-from engine.loop import JobResult, seed_everything
-from engine.models import ScalarHead, check_fits
-from engine.online import RolloutRNG, critic_and_scorer, evaluate, open_policy, open_prompts, roll_out_rows
-from engine.ops import kl_per_token, masked_mean, masked_whiten
-from engine.ppo import (
+from engine.core.data import batch_indices, encode_sft_batch, load_rows
+from engine.core.health import CollapseMonitor, check_collapse
+from engine.core.learner import Learner, LossInputs, Objective, accumulate, count_labels, mean, run_updates
+from engine.core.loop import JobResult, seed_everything
+from engine.core.models import ScalarHead, check_fits
+from engine.core.online import RolloutRNG, critic_and_scorer, evaluate, open_policy, open_prompts, roll_out_rows
+from engine.core.ops import kl_per_token, masked_mean, masked_whiten
+from engine.core.rollout import Rollout, gather_rollout, logged_samples, response_values, samples_due
+from engine.methods.ppo import (
     AdaptiveKLController,
     FixedKLController,
     RunningMoments,
@@ -40,8 +39,9 @@ from engine.ppo import (
     shape_scores,
     value_loss,
 )
-from engine.rewards import RewardFunction, gathered
-from engine.rollout import Rollout, gather_rollout, logged_samples, response_values, samples_due
+from engine.rewards.function import RewardFunction, gathered
+from engine.rewards.graders import reward_metrics
+from engine.spec.config import JobSpec, PPOConfig
 
 MB_STATS = ("pg", "vf", "clip", "vclip", "akl", "ent", "ptx")
 """Per-minibatch statistics: policy and value loss, their clip fractions, approx-KL, entropy, ptx loss."""
@@ -163,7 +163,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         if eval_rows and run.eval_due(step, cfg.eval_every):
             metrics.update(evaluate(roll, tokenizer, eval_rows, B, spec.seed, device, eval_reward, stop_token_ids))
 
-        # 6. collapse signals (MOSS-RLHF §2.1, engine/health.py), from metrics every rank computed alike: each
+        # 6. collapse signals (MOSS-RLHF §2.1, engine/core/health.py), from metrics every rank computed alike: each
         #    takes the same decision
         if halted := check_collapse(cfg.collapse.action, monitor, run, step, metrics, saved):
             return halted

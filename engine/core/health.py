@@ -16,7 +16,7 @@ from statistics import median, pstdev
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from engine.loop import JobResult, Run
+    from engine.core.loop import JobResult, Run
 
 Signal = Literal["reward_jump", "kl_jump", "perplexity_collapse", "length_blowup"]
 

@@ -4,7 +4,7 @@ the starting policy. No reward model and no sampling: one forward of the policy 
 
 The reference is a frozen copy of the starting model, or with LoRA the trained model itself with its adapters
 switched off (one copy of the weights in memory). Its log-probabilities are computed once per batch without a
-graph. The losses (``sigmoid``, ``ipo``, ``hinge``) are in engine/dpo.py; the metrics take TRL's names.
+graph. The losses (``sigmoid``, ``ipo``, ``hinge``) are in engine/methods/dpo.py; the metrics take TRL's names.
 """
 
 import time
@@ -16,17 +16,17 @@ from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
-from engine.config import DPOConfig, JobSpec
-from engine.data import (
+from engine.core.data import (
     batch_indices,
     encode_completion,
     labelled_batch,
     preference_parts,
 )
-from engine.dpo import IGNORE_INDEX, DPOLossOut, dpo_loss, sequence_logps
-from engine.learner import Learner, accumulate
-from engine.loop import JobResult, check_finite, open_supervised
-from engine.models import load_causal_lm, prepare, token_logprobs
+from engine.core.learner import Learner, accumulate
+from engine.core.loop import JobResult, check_finite, open_supervised
+from engine.core.models import load_causal_lm, prepare, token_logprobs
+from engine.methods.dpo import IGNORE_INDEX, DPOLossOut, dpo_loss, sequence_logps
+from engine.spec.config import DPOConfig, JobSpec
 
 EVAL_BATCH = 32
 """Pairs per forward when evaluating."""

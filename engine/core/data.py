@@ -9,7 +9,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from engine import builtin
-from engine.rows import (
+from engine.spec.rows import (
     ChatTemplateMissingError,
     DatasetError,
     Message,

@@ -1,8 +1,8 @@
 """Critic-free RL for language models: GRPO (Shao et al., arXiv:2402.03300) and its relatives, by
-``advantage_estimator`` (engine/grpo.py).
+``advantage_estimator`` (engine/methods/grpo.py).
 
 One step = sample ``batch_size`` prompts, ``group_size`` responses each (each prompt prefilled once for its
-group), score them with the job's reward (engine/graders.py: rules, functions, HTTP services, reward models),
+group), score them with the job's reward (engine/rewards/graders.py: rules, functions, HTTP services, reward models),
 turn the scores into advantages against the other samples of each prompt, then ``num_iterations`` passes of
 minibatch updates of the job's ``policy_loss``, with a KL pull to the starting policy as a loss term or in the
 reward. No critic and no value model.
@@ -22,13 +22,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
-from engine.config import K1_LOSS_TERM_WARNING, GRPOConfig, JobSpec
-from engine.data import batch_indices
-from engine.graders import RewardScores, reward_metrics
-from engine.grpo import tied_groups, token_advantages
-from engine.learner import Objective, mean, run_updates
-from engine.loop import JobResult, seed_everything
-from engine.online import (
+from engine.core.data import batch_indices
+from engine.core.learner import Objective, mean, run_updates
+from engine.core.loop import JobResult, seed_everything
+from engine.core.online import (
     RolloutRNG,
     evaluate,
     open_policy,
@@ -37,9 +34,12 @@ from engine.online import (
     roll_out_rows,
     update_metrics,
 )
-from engine.ops import kl_per_token
-from engine.rewards import RewardFunction, gathered, grader_scorer
-from engine.rollout import Rollout, gather_rollout, logged_samples, samples_due
+from engine.core.ops import kl_per_token
+from engine.core.rollout import Rollout, gather_rollout, logged_samples, samples_due
+from engine.methods.grpo import tied_groups, token_advantages
+from engine.rewards.function import RewardFunction, gathered, grader_scorer
+from engine.rewards.graders import RewardScores, reward_metrics
+from engine.spec.config import K1_LOSS_TERM_WARNING, GRPOConfig, JobSpec
 
 
 def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:

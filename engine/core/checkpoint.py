@@ -29,8 +29,8 @@ import torch
 from pydantic import ValidationError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.config import JobSpec
-from engine.models import save_model
+from engine.core.models import save_model
+from engine.spec.config import JobSpec
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.pt"

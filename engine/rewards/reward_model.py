@@ -7,10 +7,10 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.data import encode_completion, pad_right, render, truncate
-from engine.models import ScalarHead, context_length
-from engine.ops import reward_index
-from engine.rows import Text
+from engine.core.data import encode_completion, pad_right, render, truncate
+from engine.core.models import ScalarHead, context_length
+from engine.core.ops import reward_index
+from engine.spec.rows import Text
 
 
 def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
@@ -19,7 +19,7 @@ def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> b
 
 
 def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Reward model score of each sequence (B,), read where the model reads (:func:`engine.ops.reward_index`)."""
+    """Reward model score of each sequence (B,), read where the model reads (:func:`engine.core.ops.reward_index`)."""
     scores, _ = ScalarHead(model)(input_ids, attention_mask)  # (B, L)
     index = reward_index(input_ids, attention_mask, model.config.pad_token_id)  # (B,)
     return scores.gather(1, index.unsqueeze(1)).squeeze(1)
