@@ -1,4 +1,5 @@
-"""Reward model: a scalar head on a causal-LM backbone, read at the last valid token, trained on
+"""The reward-model training method (job type ``rm``; scoring with a trained reward model is
+engine/rewards/reward_model.py): a scalar head on a causal-LM backbone, read at the last valid token, trained on
 preference pairs with -log σ(r_chosen - r_rejected - margin) (InstructGPT, arXiv:2203.02155),
 plus an optional LM loss on the chosen text (MOSS-RLHF, arXiv:2307.04964).
 """
