@@ -1,7 +1,8 @@
-"""The import rules (the engine knows nothing of the service; the workers know nothing of the API; the API and the
-database layer it shares with the workers load no torch; only ``api.main`` imports the route modules), checked in
-fresh interpreters and by reading the source. Each check first shows that it looked at something real, so that a
-rule that is broken fails."""
+"""The import rules (the engine knows nothing of the service; its spec and graders load no torch and import no
+torch-side engine module; the chassis, engine/core/, imports no method; a method's loop imports no other method's
+loop; the workers know nothing of the API; the API and the database layer it shares with the workers load no torch;
+only ``api.main`` imports the route modules), checked in fresh interpreters and by reading the source. Each check
+first shows that it looked at something real, so that a rule that is broken fails."""
 
 import ast
 import subprocess
@@ -36,19 +37,13 @@ def packages(modules: set[str]) -> set[str]:
 
 def test_engine_imports_nothing_of_the_service() -> None:
     engine = modules_of("engine")
-    assert {"engine.run", "engine.cli", "engine.spec.config"} <= set(
+    # the check is meaningful: the files of every subpackage were found
+    assert {"engine.run", "engine.cli", "engine.spec.config", "engine.core.learner", "engine.methods.ppo_train"} <= set(
         engine
-    )  # the check is meaningful: files were found
+    )
     loaded = modules_after_import("import " + ", ".join(engine))
     assert "torch" in packages(loaded)  # ... and the engine really was imported
     assert packages(loaded) & set(SERVICE_MODULES) == set()
-
-
-def test_config_is_torch_free() -> None:
-    # The API validates job specs with engine.spec.config; it must not pull in torch or transformers.
-    loaded = packages(modules_after_import("import engine.spec.config"))
-    assert "pydantic" in loaded
-    assert loaded & {"torch", "transformers", "numpy"} == set()
 
 
 def test_the_workers_import_nothing_of_the_api() -> None:
@@ -127,4 +122,113 @@ def test_only_the_app_imports_the_route_modules() -> None:
             name = module_name(path)
             package = name if path.name == "__init__.py" else name.rpartition(".")[0]
             offenders += [f"{name} imports {other}" for other in sorted(imports_of(path.read_text(), package) & routes)]
+    assert offenders == []
+
+
+TORCH_FREE = [*modules_of("engine/spec"), "engine.rewards.graders", "engine.callbacks", *modules_of("engine/builtin")]
+"""The torch-free part of the engine: what the API validates job specs with (engine/spec/, the graders of a spec's
+``reward``) and what those import (the callbacks' stop requests, the built-in tasks)."""
+TORCH_LIBRARIES = {"torch", "transformers", "numpy"}
+
+
+def test_the_spec_and_the_graders_are_torch_free() -> None:
+    # The API imports these; each, and whatever it imports, must load without torch, transformers or numpy.
+    assert {"engine.spec", "engine.spec.config", "engine.spec.policy_losses", "engine.spec.rows"} <= set(TORCH_FREE)
+    assert "torch" in packages(modules_after_import("import engine.core.ops"))  # the check sees torch come in
+    loaded = modules_after_import("import " + ", ".join(TORCH_FREE))
+    assert {"pydantic", "engine.spec.config", "engine.rewards.graders"} <= loaded | packages(loaded)
+    assert packages(loaded) & TORCH_LIBRARIES == set()
+
+
+def engine_imports(path: Path) -> set[str]:
+    """The engine modules (and names in them) that the engine module at ``path`` imports, read from its source,
+    imports for type checking included."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return {other for other in imports_of(path.read_text(), package) if other.split(".")[0] == "engine"}
+
+
+def within(name: str, modules: set[str]) -> bool:
+    """``name`` is one of ``modules`` or a name inside one (a submodule, a function)."""
+    return any(name == module or name.startswith(module + ".") for module in modules)
+
+
+ENGINE_PACKAGES = {module_name(path) for path in (ROOT / "engine").rglob("__init__.py")}
+
+
+def outside_the_torch_free_part(imported: set[str]) -> set[str]:
+    """What of ``imported`` is a torch-side engine module (a package itself, docstring only, is neither)."""
+    return {name for name in imported if name not in ENGINE_PACKAGES and not within(name, set(TORCH_FREE))}
+
+
+def test_the_torch_free_part_imports_only_itself() -> None:
+    # engine/spec/ and the graders import no torch-side engine module (core, methods, the reward model, the reward
+    # function, run, demo, ...), not even for type checking: a lazy import there would still be a way to torch.
+    violating = imports_of("from engine.core.models import load_causal_lm\nfrom engine.spec import rows", "engine.spec")
+    assert outside_the_torch_free_part(violating) == {"engine.core.models", "engine.core.models.load_causal_lm"}
+    paths = [path for path in sorted((ROOT / "engine").rglob("*.py")) if module_name(path) in TORCH_FREE]
+    imported = {name for path in paths for name in engine_imports(path)}
+    assert {"engine.rewards.graders", "engine.spec.policy_losses", "engine.spec.rows"} <= imported  # the parser sees
+    offenders = [
+        f"{module_name(path)} imports {name}"
+        for path in paths
+        for name in sorted(outside_the_torch_free_part(engine_imports(path)))
+    ]
+    assert offenders == []
+
+
+def test_the_chassis_imports_no_method() -> None:
+    # Methods build on the chassis (engine/core/), never the reverse: what two methods share lives in core.
+    assert within("engine.methods.ppo.compute_gae", {"engine.methods"})
+    assert not within("engine.methods_extra", {"engine.methods"})
+    paths = sorted((ROOT / "engine" / "core").glob("*.py"))
+    imported = {name for path in paths for name in engine_imports(path)}
+    assert {"engine.spec.config", "engine.core.models", "engine.rewards.function"} <= imported  # the parser sees
+    methods = sorted((ROOT / "engine" / "methods").glob("*.py"))
+    assert any(within(name, {"engine.core"}) for path in methods for name in engine_imports(path))  # methods use it
+    offenders = [
+        f"{module_name(path)} imports {name}"
+        for path in paths
+        for name in sorted(engine_imports(path))
+        if within(name, {"engine.methods"})
+    ]
+    assert offenders == []
+
+
+LOOPS = {f"engine.methods.{name}" for name in ("sft", "rm", "dpo_train", "ppo_train", "grpo_train", "distill")}
+NUMERICS = {f"engine.methods.{name}" for name in ("dpo", "ppo", "grpo")}
+NUMERICS_MAY_IMPORT = {"engine.spec", "engine.core.ops"}
+
+
+def method_offenders(name: str, source: str) -> list[str]:
+    """What ``source``, the method module ``name``, imports against the rule of
+    ``test_a_method_loop_imports_no_other_loop``."""
+    imported = {other for other in imports_of(source, "engine.methods") if other.split(".")[0] == "engine"}
+    if name in NUMERICS:
+        wrong = {other for other in imported if other not in ENGINE_PACKAGES and not within(other, NUMERICS_MAY_IMPORT)}
+    else:
+        wrong = {other for other in imported if within(other, LOOPS - {name})}
+    return [f"{name} imports {other}" for other in sorted(wrong)]
+
+
+def test_a_method_loop_imports_no_other_loop() -> None:
+    """A method's loop module (sft, rm, dpo_train, ppo_train, grpo_train, distill) imports no other method's loop:
+    what two loops share (opening the policy, rollouts, the policy update, the KL estimators) is chassis, in
+    engine/core/. A loop may use another method's numerics (distill: GRPO's group advantages), because a numerics
+    module (dpo, ppo, grpo) is pure numerics: functions of tensors that import nothing of the engine but the spec
+    (engine/spec/) and the tensor ops (engine/core/ops.py). Every module of engine/methods/ is one or the other."""
+    paths = sorted((ROOT / "engine" / "methods").glob("*.py"))
+    assert {module_name(path) for path in paths} == {"engine.methods", *LOOPS, *NUMERICS}
+    loop = "from engine.methods.sft import train_sft\nfrom engine.methods import ppo\n"
+    assert method_offenders("engine.methods.ppo_train", loop) == [
+        "engine.methods.ppo_train imports engine.methods.sft",
+        "engine.methods.ppo_train imports engine.methods.sft.train_sft",
+    ]
+    numerics = "from engine.core.models import prepare\nfrom engine.core.ops import masked_mean\n"
+    assert method_offenders("engine.methods.ppo", numerics) == [
+        "engine.methods.ppo imports engine.core.models",
+        "engine.methods.ppo imports engine.core.models.prepare",
+    ]
+    assert "engine.methods.grpo" in engine_imports(ROOT / "engine" / "methods" / "distill.py")  # the parser sees it
+    offenders = [line for path in paths for line in method_offenders(module_name(path), path.read_text())]
     assert offenders == []
