@@ -612,6 +612,8 @@ class GRPOConfig(GroupSamplingConfig):
                 f"reinforce_pp estimators): {_kl_in_reward_reason(self.kl_estimator)}, and the one used when "
                 "kl_estimator is left out; to use k3, put the KL in the loss with kl_in_reward false"
             )
+        if self.kl_estimator == ("k1" if self.kl_as_reward else "k3"):  # the default, stored one way: as None
+            self.kl_estimator = None
         return self
 
 
@@ -1128,6 +1130,34 @@ class JobSpec(_Strict):
     def config(self) -> TrainConfig:
         """The typed hyperparameters of this job type."""
         return HYPERPARAMETERS[self.type].model_validate(self.hyperparameters)
+
+
+def upgraded_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A job spec as an earlier version stored it (every default filled in), in this version's terms, and a
+    sentence for each change of what it trains. A stored spec is upgraded rather than refused, so that a queued or
+    paused job still runs and a local run's folder still resumes: migration 0006 upgrades the server's jobs,
+    :func:`engine.checkpoint.stored_spec` a folder's ``spec.json``.
+
+    The values this version refuses in a stored spec: ``kl_estimator`` k2 or k3 where the KL is in the reward, a
+    GRPO job's (k3 was the default, so every ``reinforce_pp`` job stored it) and a PPO job's: k1 instead."""
+    hyperparameters = spec.get("hyperparameters")
+    if not isinstance(hyperparameters, dict) or hyperparameters.get("kl_estimator") not in ("k2", "k3"):
+        return spec, []
+    estimator = hyperparameters["kl_estimator"]
+    if spec.get("type") == "grpo":
+        in_reward = hyperparameters.get("kl_in_reward")
+        if not (hyperparameters.get("advantage_estimator", "grpo") in WHITENED if in_reward is None else in_reward):
+            return spec, []
+        upgraded = None  # GRPO's default: k1 in the reward
+    elif spec.get("type") == "ppo":
+        upgraded = "k1"
+    else:
+        return spec, []
+    change = (
+        f"hyperparameters.kl_estimator {estimator} → k1, the KL being part of the reward: "
+        f"{_kl_in_reward_reason(estimator)}"
+    )
+    return {**spec, "hyperparameters": {**hyperparameters, "kl_estimator": upgraded}}, [change]
 
 
 def _listed(names: Iterable[str]) -> str:
