@@ -72,6 +72,9 @@ PolicyLossName = Annotated[
 """PPO's and GRPO's ``policy_loss``: a name of :data:`engine.policy_losses.POLICY_LOSSES`."""
 DualClip = Annotated[float, Field(gt=1, le=1000)]
 """PPO's and GRPO's ``dual_clip``: the cap c > 1 of a negative advantage's loss, -c·A."""
+RolloutCorrection = Annotated[float, Field(gt=1, le=100)]
+"""PPO's and GRPO's ``rollout_correction``: the cap C > 1 of the truncated importance weight min(π_old/π_sampler, C)
+of each token's policy loss (engine/policy_losses.py ``rollout_correction``)."""
 
 
 def _check_dual_clip(policy_loss: str, dual_clip: float | None) -> None:
@@ -349,6 +352,14 @@ class PPOConfig(TrainConfig):
     """Dual-clip PPO (Ye et al., arXiv:1912.09729): the loss of a token with a negative advantage is capped at
     ``dual_clip`` × |A|, so a ratio far above 1 (a token much likelier now than when it was sampled) cannot make
     the loss unbounded; verl's default is 3. ``ppo_clip`` and ``gspo`` only. None: no cap."""
+    rollout_correction: RolloutCorrection | None = None
+    """Truncated importance sampling of the sampler's mismatch (Yao et al. 2025; verl's ``tis_imp_ratio_cap``):
+    the rollout also takes the trainer's log-probs of the sampled tokens (one more forward, the policy before the
+    step's updates, π_old), which become the ratio's denominator and the KL's, and each token's policy loss is
+    weighted by min(π_old/π_sampler, ``rollout_correction``), detached. For samplers that compute other numbers
+    than the training pass (another dtype, fused or compiled kernels, folded LoRA adapters); Yao et al. cap at 2.
+    Reports ``rollout/logprob_gap`` and ``rollout/correction_capped_fraction``. None: the sampler's log-probs
+    are the old ones, no weight."""
     cliprange_value: Annotated[float, Field(gt=0, le=1e6)] = 0.2
     """Value clip ε_v around the rollout's values."""
     vf_coef: Annotated[float, Field(ge=0, le=100)] = 0.1
@@ -399,7 +410,8 @@ class PPOConfig(TrainConfig):
     @property
     def loss_settings(self) -> LossSettings:
         """The settings of ``policy_loss``: the ratio clipped to 1 ± ``cliprange``."""
-        return LossSettings(clip_low=self.cliprange, clip_high=self.cliprange, dual_clip=self.dual_clip)
+        return LossSettings(clip_low=self.cliprange, clip_high=self.cliprange, dual_clip=self.dual_clip,
+                            rollout_correction=self.rollout_correction)  # fmt: skip
 
     @field_validator("kl_estimator")
     @classmethod
@@ -508,6 +520,10 @@ class GroupSamplingConfig(TrainConfig):
     """Dual-clip PPO (Ye et al., arXiv:1912.09729): the loss of a token with a negative advantage is capped at
     ``dual_clip`` × |A|, so a ratio far above 1 (a token much likelier now than when it was sampled) cannot make
     the loss unbounded; verl's default is 3. ``ppo_clip`` and ``gspo`` only. None: no cap."""
+    rollout_correction: RolloutCorrection | None = None
+    """The cap C of truncated importance sampling (Yao et al. 2025), as PPO's ``rollout_correction``: the rollout
+    takes the trainer's log-probs of the samples too, the old log-probs of the update, of the KL and of the
+    advantages, and each token's policy loss is weighted by min(π_old/π_sampler, C), detached. None: none."""
     eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
     """Use at most this many eval prompts (the first ones)."""
     log_samples: Annotated[int, Field(ge=1, le=256)] = 16
@@ -531,7 +547,8 @@ class GroupSamplingConfig(TrainConfig):
     @property
     def loss_settings(self) -> LossSettings:
         """The settings of ``policy_loss``: the ratio clipped to [1 - ``cliprange_low``, 1 + ``cliprange_high``]."""
-        return LossSettings(clip_low=self.cliprange_low, clip_high=self.cliprange_high, dual_clip=self.dual_clip)
+        return LossSettings(clip_low=self.cliprange_low, clip_high=self.cliprange_high, dual_clip=self.dual_clip,
+                            rollout_correction=self.rollout_correction)  # fmt: skip
 
     def _check_batches(self) -> None:
         """The batch sizes divide as the minibatches and micro-batches need; ``dual_clip`` suits ``policy_loss``."""

@@ -39,7 +39,7 @@ from engine.online import (
 )
 from engine.ppo import kl_per_token
 from engine.rewards import RewardFunction, gathered, grader_scorer
-from engine.rollout import Rollout, gather_rollout, logged_samples, samples_due
+from engine.rollout import Rollout, correction_metrics, gather_rollout, logged_samples, samples_due
 
 
 def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
@@ -82,7 +82,8 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         #    the samples of every rank are then gathered, group by group
         batch_rows = [rows[i] for i in batch_indices(len(rows), cfg.batch_size, spec.seed, step - 1)]
         ro, scored = roll_out_rows(learner, tokenizer, cfg.max_prompt_length, scorer, batch_rows, rng.sampling, G,
-                                   share=ranks.share(cfg.batch_size))  # fmt: skip
+                                   share=ranks.share(cfg.batch_size),
+                                   trainer_logprobs=cfg.rollout_correction is not None)  # fmt: skip
         assert scored is not None
         ro, scored = gather_rollout(ro, ranks, tokenizer.pad_token_id), gathered(scored, ranks, device)
         t_rollout = time.perf_counter() - t0
@@ -111,6 +112,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
             "groups/tied_fraction": tied_groups(ro.scores, G, cfg.advantage_estimator).item(),
             "loss/kl": mean(stats["kl"]),
             **update_metrics(ro, mask, stats, lr, t_rollout, elapsed),
+            **correction_metrics(ro, cfg.rollout_correction),
         })  # fmt: skip
         if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
             metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ValidationError
 from engine.builtin import digits
 from engine.config import (
     HYPERPARAMETERS,
+    DistillConfig,
     GRPOConfig,
     JobSpec,
     LoraSpec,
@@ -403,6 +404,17 @@ def test_dual_clip_is_above_one_and_only_for_the_clipped_surrogates(cls):
     for name in ("importance_sampling", "cispo"):
         message = _error(cls, {"policy_loss": name, "dual_clip": 3.0})
         assert message == f"spec: dual_clip applies to policy_loss ppo_clip and gspo only, not {name}", message
+
+
+@pytest.mark.parametrize("cls", [PPOConfig, GRPOConfig, DistillConfig])
+def test_rollout_correction_is_a_cap_above_one(cls):
+    assert cls().rollout_correction is None and cls().loss_settings.rollout_correction is None
+    assert cls.model_validate({"rollout_correction": 2.0}).loss_settings.rollout_correction == 2.0
+    for value in (1.0, 0.5):
+        message = _error(cls, {"rollout_correction": value})
+        assert message == "rollout_correction: Input should be greater than 1", message
+    message = _error(cls, {"rollout_correction": 1000.0})
+    assert message == "rollout_correction: Input should be less than or equal to 100", message
 
 
 def test_policy_loss_refusals_in_a_job_spec_name_the_field():
