@@ -72,6 +72,9 @@ PolicyLossName = Annotated[
 """PPO's and GRPO's ``policy_loss``: a name of :data:`engine.policy_losses.POLICY_LOSSES`."""
 DualClip = Annotated[float, Field(gt=1, le=1000)]
 """PPO's and GRPO's ``dual_clip``: the cap c > 1 of a negative advantage's loss, -c·A."""
+RolloutCorrection = Annotated[float, Field(gt=1, le=100)]
+"""PPO's and GRPO's ``rollout_correction``: the cap C > 1 of the truncated importance weight min(π_old/π_sampler, C)
+of each token's policy loss (engine/policy_losses.py ``rollout_correction``)."""
 
 
 def _check_dual_clip(policy_loss: str, dual_clip: float | None) -> None:
@@ -365,6 +368,14 @@ class PPOConfig(SamplingConfig):
     models, whose token ratios are noisy; it wants a far smaller ``cliprange``, the more so the less a step moves
     the model (the paper's 3e-4 / 4e-4 for its large ones; GRPO on the built-in digits task learns at 0.03 /
     0.04)."""
+    rollout_correction: RolloutCorrection | None = None
+    """Truncated importance sampling of the sampler's mismatch (Yao et al. 2025; verl's ``tis_imp_ratio_cap``):
+    the rollout also takes the trainer's log-probs of the sampled tokens (one more forward, the policy before the
+    step's updates, π_old), which become the ratio's denominator and the KL's, and each token's policy loss is
+    weighted by min(π_old/π_sampler, ``rollout_correction``), detached. For samplers that compute other numbers
+    than the training pass (another dtype, fused or compiled kernels, folded LoRA adapters); Yao et al. cap at 2.
+    Reports ``rollout/logprob_gap`` and ``rollout/correction_capped_fraction``. None: the sampler's log-probs
+    are the old ones, no weight."""
     cliprange_value: Annotated[float, Field(gt=0, le=1e6)] = 0.2
     """Value clip ε_v around the rollout's values."""
     vf_coef: Annotated[float, Field(ge=0, le=100)] = 0.1
@@ -398,7 +409,8 @@ class PPOConfig(SamplingConfig):
     @property
     def loss_settings(self) -> LossSettings:
         """The settings of ``policy_loss``: the ratio clipped to 1 ± ``cliprange``."""
-        return LossSettings(clip_low=self.cliprange, clip_high=self.cliprange, dual_clip=self.dual_clip)
+        return LossSettings(clip_low=self.cliprange, clip_high=self.cliprange, dual_clip=self.dual_clip,
+                            rollout_correction=self.rollout_correction)  # fmt: skip
 
     @property
     def micro_batch_size(self) -> int:
@@ -496,6 +508,10 @@ class GroupSamplingConfig(SamplingConfig):
     about a tenth and learn as ``ppo_clip`` does (benchmarks/policy_losses.py). With
     ``num_iterations`` 1 every ratio is 1 in a step's first minibatch, where the four give REINFORCE's gradient
     alike."""
+    rollout_correction: RolloutCorrection | None = None
+    """The cap C of truncated importance sampling (Yao et al. 2025), as PPO's ``rollout_correction``: the rollout
+    takes the trainer's log-probs of the samples too, the old log-probs of the update, of the KL and of the
+    advantages, and each token's policy loss is weighted by min(π_old/π_sampler, C), detached. None: none."""
     log_samples: Annotated[int, Field(ge=1, le=256)] = 16
     """Samples kept per logged step: the first ones of the batch, whole groups first."""
     torch_compile: bool = False
@@ -510,7 +526,8 @@ class GroupSamplingConfig(SamplingConfig):
     @property
     def loss_settings(self) -> LossSettings:
         """The settings of ``policy_loss``: the ratio clipped to [1 - ``cliprange_low``, 1 + ``cliprange_high``]."""
-        return LossSettings(clip_low=self.cliprange_low, clip_high=self.cliprange_high, dual_clip=self.dual_clip)
+        return LossSettings(clip_low=self.cliprange_low, clip_high=self.cliprange_high, dual_clip=self.dual_clip,
+                            rollout_correction=self.rollout_correction)  # fmt: skip
 
     def _check_batches(self) -> None:
         """The batch sizes divide as the minibatches and micro-batches need; ``dual_clip`` suits ``policy_loss``."""
@@ -591,6 +608,8 @@ class GRPOConfig(GroupSamplingConfig):
                 f"reinforce_pp estimators): {_kl_in_reward_reason(self.kl_estimator)}, and the one used when "
                 "kl_estimator is left out; to use k3, put the KL in the loss with kl_in_reward false"
             )
+        if self.kl_estimator == ("k1" if self.kl_as_reward else "k3"):  # the default, stored one way: as None
+            self.kl_estimator = None
         return self
 
 
@@ -1107,6 +1126,34 @@ class JobSpec(_Strict):
     def config(self) -> TrainConfig:
         """The typed hyperparameters of this job type."""
         return HYPERPARAMETERS[self.type].model_validate(self.hyperparameters)
+
+
+def upgraded_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A job spec as an earlier version stored it (every default filled in), in this version's terms, and a
+    sentence for each change of what it trains. A stored spec is upgraded rather than refused, so that a queued or
+    paused job still runs and a local run's folder still resumes: migration 0006 upgrades the server's jobs,
+    :func:`engine.checkpoint.stored_spec` a folder's ``spec.json``.
+
+    The values this version refuses in a stored spec: ``kl_estimator`` k2 or k3 where the KL is in the reward, a
+    GRPO job's (k3 was the default, so every ``reinforce_pp`` job stored it) and a PPO job's: k1 instead."""
+    hyperparameters = spec.get("hyperparameters")
+    if not isinstance(hyperparameters, dict) or hyperparameters.get("kl_estimator") not in ("k2", "k3"):
+        return spec, []
+    estimator = hyperparameters["kl_estimator"]
+    if spec.get("type") == "grpo":
+        in_reward = hyperparameters.get("kl_in_reward")
+        if not (hyperparameters.get("advantage_estimator", "grpo") in WHITENED if in_reward is None else in_reward):
+            return spec, []
+        upgraded = None  # GRPO's default: k1 in the reward
+    elif spec.get("type") == "ppo":
+        upgraded = "k1"
+    else:
+        return spec, []
+    change = (
+        f"hyperparameters.kl_estimator {estimator} → k1, the KL being part of the reward: "
+        f"{_kl_in_reward_reason(estimator)}"
+    )
+    return {**spec, "hyperparameters": {**hyperparameters, "kl_estimator": upgraded}}, [change]
 
 
 def _listed(names: Iterable[str]) -> str:

@@ -40,7 +40,7 @@ from engine.online import (
 )
 from engine.reward import same_vocabulary
 from engine.rewards import RewardFunction, eval_metrics, gathered, grader_scorer
-from engine.rollout import Scorer, gather_rollout, logged_samples, samples_due
+from engine.rollout import Scorer, correction_metrics, gather_rollout, logged_samples, samples_due
 
 
 def distill_advantages(
@@ -102,9 +102,8 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
         # 1. rollout: each rank samples its share of the batch's prompts group_size times, with the teacher's
         #    log-probs of the samples (and their scores, with a reward); every rank's samples are then gathered
         share = ranks.share(cfg.batch_size)
-        ro, scored = roll_out_rows(
-            learner, tokenizer, cfg.max_prompt_length, scorer, batch_rows, rng.sampling, G, share=share
-        )
+        ro, scored = roll_out_rows(learner, tokenizer, cfg.max_prompt_length, scorer, batch_rows, rng.sampling, G,
+                                   share=share, trainer_logprobs=cfg.rollout_correction is not None)  # fmt: skip
         ro = gather_rollout(ro, ranks, tokenizer.pad_token_id)
         scored = None if scored is None else gathered(scored, ranks, device)
         t_rollout = time.perf_counter() - t0
@@ -148,6 +147,7 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
             "distill/teacher_logprob": (ro.ref_logprobs * mask).sum().item() / tokens,
             "distill/student_logprob": (ro.logprobs * mask).sum().item() / tokens,
             **update_metrics(ro, mask, stats, lr, t_rollout, elapsed),
+            **correction_metrics(ro, cfg.rollout_correction),
         })  # fmt: skip
         if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
             metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()

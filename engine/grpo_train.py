@@ -38,7 +38,7 @@ from engine.online import (
 )
 from engine.ppo import kl_per_token
 from engine.rewards import RewardFunction, gathered, grader_scorer
-from engine.rollout import Rollout, gather_rollout, logged_samples, samples_due
+from engine.rollout import Rollout, correction_metrics, gather_rollout, logged_samples, samples_due
 
 
 def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
@@ -78,7 +78,8 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         # 1. rollout: each rank samples its share of the batch's prompts group_size times and scores the samples;
         #    the samples of every rank are then gathered, group by group
         ro, scored = roll_out_rows(learner, tokenizer, cfg.max_prompt_length, scorer, batch_rows, rng.sampling, G,
-                                   share=ranks.share(cfg.batch_size))  # fmt: skip
+                                   share=ranks.share(cfg.batch_size),
+                                   trainer_logprobs=cfg.rollout_correction is not None)  # fmt: skip
         assert scored is not None
         ro, scored = gather_rollout(ro, ranks, tokenizer.pad_token_id), gathered(scored, ranks, device)
         t_rollout = time.perf_counter() - t0
@@ -107,6 +108,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
             "groups/tied_fraction": tied_groups(ro.scores, G, cfg.advantage_estimator).item(),
             "loss/kl": mean(stats["kl"]),
             **update_metrics(ro, mask, stats, lr, t_rollout, elapsed),
+            **correction_metrics(ro, cfg.rollout_correction),
         })  # fmt: skip
         if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
             metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()

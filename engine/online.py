@@ -83,14 +83,16 @@ def roll_out_rows(
     group_size: int = 1,
     critic: PreTrainedModel | None = None,
     share: slice = slice(None),
+    trainer_logprobs: bool = False,
 ) -> tuple[Rollout, RewardScores | None]:
     """:func:`roll_out` of the prompts of ``rows[share]`` (a process's share of a batch). The whole batch's prompts
-    are encoded together, so that every process's rollout has the same prompt width."""
+    are encoded together, so that every process's rollout has the same prompt width. ``trainer_logprobs``: the
+    trainer's log-probs taken again, the sampler's kept (for ``rollout_correction``)."""
     queries, query_mask = encode_prompts(tokenizer, [row["prompt"] for row in rows], max_prompt_length)
     device = learner.model.device
     queries, query_mask = queries[share].to(device), query_mask[share].to(device)
     return roll_out(learner, rows[share], queries, query_mask, generator, scorer, tokenizer.pad_token_id,
-                    group_size, critic)  # fmt: skip
+                    group_size, critic, trainer_logprobs)  # fmt: skip
 
 
 class RolloutRNG:
@@ -276,8 +278,9 @@ def policy_gradients(
 
     def micro(part: slice, last: bool) -> dict[str, torch.Tensor]:
         inds = own[part]
+        sampler = None if ro.sampler_logprobs is None else ro.sampler_logprobs[inds]
         inputs = LossInputs(ro.logprobs[inds], advantages[inds], mask[inds], n_sequences, n_tokens,
-                            ro.ref_logprobs[inds])  # fmt: skip
+                            ro.ref_logprobs[inds], sampler)  # fmt: skip
         return learner.forward_backward(ro.tokens.rows(inds), objective, inputs, last)
 
     return accumulate(len(own), cfg.micro_batch_size // ranks.world_size, POLICY_STATS, micro, ranks, mask.device)

@@ -42,7 +42,14 @@ from engine.ppo import (
     value_loss,
 )
 from engine.rewards import RewardFunction, gathered
-from engine.rollout import Rollout, gather_rollout, logged_samples, response_values, samples_due
+from engine.rollout import (
+    Rollout,
+    correction_metrics,
+    gather_rollout,
+    logged_samples,
+    response_values,
+    samples_due,
+)
 
 MB_STATS = ("pg", "vf", "clip", "vclip", "akl", "ent", "ptx")
 """Per-minibatch statistics: policy and value loss, their clip fractions, approx-KL, entropy, ptx loss."""
@@ -98,6 +105,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         return {**control.state(), **rng.state()}
 
     roll = partial(roll_out_rows, learner, tokenizer, cfg.max_prompt_length, scorer, critic=value_model)
+    correction = cfg.rollout_correction  # the rollout takes the trainer's log-probs too
 
     B = cfg.batch_size
     ptx = None
@@ -109,7 +117,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         # 1. rollout: a batch of prompts (left-padded), each rank sampling responses to its share, truncated
         #    after the stop token, with logprobs, ref_logprobs, values and scores. Every rank's rows are then
         #    gathered: the stages up to the PPO epochs see the whole batch.
-        ro, graded = roll(batch_rows, rng.sampling, share=ranks.share(B))
+        ro, graded = roll(batch_rows, rng.sampling, share=ranks.share(B), trainer_logprobs=correction is not None)
         ro = gather_rollout(ro, ranks, tokenizer.pad_token_id)
         graded = gathered(graded, ranks, device) if graded else None  # graders: every rank's components
         mask = ro.mask.float()  # (B, T)
@@ -153,6 +161,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         kl_ctl.update(mean_kl, B)
         elapsed = time.perf_counter() - t0
         metrics = ppo_metrics(exp, raw_scores, non_score_reward, mean_kl, kl_coef, stats, lr, t_rollout, elapsed)
+        metrics.update(correction_metrics(ro, correction))  # the sync check, with rollout_correction
         if ptx_rows:
             metrics["loss/ptx"] = mean(stats["ptx"])
         if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
@@ -245,7 +254,9 @@ def ppo_gradients(
     def micro(part: slice, last: bool) -> dict[str, torch.Tensor]:
         inds = own[part]
         batch, mk = ro.tokens.rows(inds), mask[inds]
-        inputs = LossInputs(ro.logprobs[inds], exp.advantages[inds], mk, len(mb_inds), n_tokens)
+        sampler = None if ro.sampler_logprobs is None else ro.sampler_logprobs[inds]
+        inputs = LossInputs(ro.logprobs[inds], exp.advantages[inds], mk, len(mb_inds), n_tokens,
+                            sampler_logprobs=sampler)  # fmt: skip
         stats = learner.forward_backward(batch, objective, inputs, last, grad=train_policy)
         if ptx is not None:
             ptx_batch, n_ptx_tokens = ptx
