@@ -21,7 +21,7 @@ from engine.generate import Decoder, sample
 from engine.grpo import aggregate
 from engine.loop import Run, Start, check_finite, clip_and_step
 from engine.models import folded_adapters, rounds_when_folded, token_logprobs
-from engine.policy_losses import POLICY_LOSSES, LossSettings, rollout_correction
+from engine.policy_losses import POLICY_LOSSES, LossBatch, LossSettings, rollout_correction
 from engine.ppo import kl_per_token
 
 Reference = PreTrainedModel | Literal["base"] | None
@@ -66,14 +66,10 @@ class Objective:
 
 
 @dataclass
-class LossInputs:
-    """A micro-batch's inputs to an :class:`Objective`, each (n, T)."""
+class LossInputs(LossBatch):
+    """A micro-batch's inputs to an :class:`Objective`: the policy loss's (``old_logprobs``, ``advantages``,
+    ``mask``, each (n, T)) and the aggregation's."""
 
-    old_logprobs: torch.Tensor
-    """The log-probs the samples were drawn with (the ratio's denominator)."""
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    """1.0 on kept response tokens."""
     n_sequences: int
     """Sequences of the whole minibatch (every rank's): the aggregation's divisor."""
     n_tokens: torch.Tensor
@@ -208,8 +204,7 @@ class Learner:
             logprobs, token_entropy = token_logprobs(
                 self.trained, qr, am, P, self.temperature, entropy=objective.entropy, entropy_grad=entropy_in_loss
             )
-            out = POLICY_LOSSES[objective.loss](logprobs, inputs.old_logprobs, inputs.advantages, mask,
-                                                objective.settings)  # fmt: skip
+            out = POLICY_LOSSES[objective.loss](logprobs, inputs, objective.settings)
             per_token, cap = out.per_token, objective.settings.rollout_correction
             if cap is not None:  # truncated importance sampling of the sampler's mismatch, for every loss
                 if inputs.sampler_logprobs is None:

@@ -3,7 +3,7 @@ the policy, rolling out a batch's prompt rows, the sampling and shuffling genera
 PPO's critic with the scorer of its reward.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -11,13 +11,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
-from engine.config import DistillConfig, GroupSamplingConfig, GRPOConfig, JobSpec, PPOConfig
-from engine.data import encode_prompts
+from engine.config import DistillConfig, GroupSamplingConfig, GRPOConfig, JobSpec, PPOConfig, SamplingConfig
+from engine.data import batch_indices, encode_prompts
 from engine.distributed import Ranks
 from engine.generate import decode_warning, job_decoder
 from engine.graders import ModelGrader, RewardScores, Samples
 from engine.learner import Learner, LossInputs, Objective, Reference, Sampling, accumulate, mean
-from engine.loop import Run, load_datasets
+from engine.loop import Run, Start, load_datasets, seed_everything
 from engine.models import (
     check_fits,
     frozen,
@@ -97,16 +97,40 @@ def roll_out_rows(
 
 class RolloutRNG:
     """An online method's generators: ``sampling`` (one per rank) and ``shuffle`` (the minibatch order, the same
-    on every rank), restored from a checkpoint's trainer state."""
+    on every rank), restored from a checkpoint's trainer state; and the prompt order, a function of the seed."""
 
     def __init__(self, seed: int, ranks: Ranks, device: torch.device, state: dict[str, Any] | None) -> None:
-        self.ranks = ranks
+        self.seed, self.ranks = seed, ranks
         self.sampling = torch.Generator(device).manual_seed(seed + 1_000_003 * ranks.rank)
         self.shuffle = torch.Generator().manual_seed(seed + 1)
         if state:
             sampling = state["rank_generators"][ranks.rank] if ranks.world_size > 1 else state["generator"]
             self.sampling.set_state(sampling)
             self.shuffle.set_state(state["shuffle"])
+
+    @classmethod
+    def start(
+        cls,
+        learner: Learner,
+        run: Run,
+        cfg: OnlineConfig,
+        seed: int,
+        device: torch.device,
+        *more: tuple[list[torch.nn.Parameter], float],
+    ) -> tuple[Start, "RolloutRNG"]:
+        """Where an online job's loop starts: :meth:`Learner.start_training` over ``cfg.total_steps`` (``more``: other
+        parameter groups, e.g. a critic's), and the generators, both restored when resuming."""
+        start = learner.start_training(run, cfg, cfg.total_steps, *more)
+        return start, cls(seed, run.ranks, device, start.state)
+
+    def prompt_batches(
+        self, rows: list[dict[str, Any]], cfg: OnlineConfig, done: int
+    ) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+        """Each step after the ``done`` ones, to ``cfg.total_steps``, with its ``cfg.batch_size`` prompt rows: a
+        function of (seed, step) alone (:func:`engine.data.batch_indices`), so a resumed job goes on in the same
+        order."""
+        for step in range(done + 1, cfg.total_steps + 1):
+            yield step, [rows[i] for i in batch_indices(len(rows), cfg.batch_size, self.seed, step - 1)]
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of them (called on every rank: it gathers the ranks' sampling states)."""
@@ -216,14 +240,16 @@ def open_prompts(
     spec: JobSpec,
     out_dir: Path,
     callbacks: Callbacks,
-    eval_max_prompts: int,
     more: dict[str, list[dict[str, Any]]] | None = None,
 ) -> tuple[Run, list[dict[str, Any]], list[dict[str, Any]]]:
-    """The run of an online job and its prompt rows: ``dataset``'s, and rank 0's first ``eval_max_prompts`` of
-    ``eval_dataset`` (none elsewhere). ``more``: other rows the run checks, by the spec field that names them."""
+    """Seed, and open the run of an online job and its prompt rows: ``dataset``'s, and rank 0's first
+    ``eval_max_prompts`` of ``eval_dataset`` (none elsewhere). ``more``: other rows the run checks, by the spec
+    field that names them."""
+    assert isinstance(spec.config, SamplingConfig)
+    seed_everything(spec.seed)
     ranks = Ranks.current()  # several processes: each rolls out and trains on its share of every batch
     rows, eval_rows = load_datasets(spec, "prompts", ranks)
-    eval_rows = eval_rows[:eval_max_prompts]
+    eval_rows = eval_rows[: spec.config.eval_max_prompts]
     run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows, **(more or {})})
     return run, rows, eval_rows
 

@@ -26,7 +26,7 @@ from engine.data import batch_indices, encode_sft_batch, load_rows
 from engine.graders import reward_metrics
 from engine.health import CollapseMonitor, check_collapse
 from engine.learner import Learner, LossInputs, Objective, accumulate, count_labels, mean, run_updates
-from engine.loop import JobResult, seed_everything
+from engine.loop import JobResult
 from engine.models import ScalarHead, check_fits
 from engine.online import RolloutRNG, critic_and_scorer, evaluate, open_policy, open_prompts, roll_out_rows
 from engine.ops import masked_mean, masked_whiten
@@ -71,12 +71,11 @@ class Experience:
 def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
     cfg = spec.config
     assert isinstance(cfg, PPOConfig) and spec.reward_grader is not None
-    seed_everything(spec.seed)
 
     # Data: prompts, and SFT rows for the optional pretraining (ptx) loss; rank 0 evaluates
     ptx_rows = load_rows(cfg.ptx_dataset, "sft") if cfg.ptx_dataset and cfg.ptx_coef > 0 else []
     more = {"hyperparameters.ptx_dataset": ptx_rows}
-    run, prompt_rows, eval_rows = open_prompts(spec, out_dir, callbacks, cfg.eval_max_prompts, more)
+    run, prompt_rows, eval_rows = open_prompts(spec, out_dir, callbacks, more)
     tokenizer, ranks = run.tokenizer, run.ranks  # several processes: each rolls out and trains on its share
 
     # Models: the trained policy and its frozen reference (the starting policy), the critic and the reward
@@ -95,10 +94,10 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     # moments and collapse monitor, restored from the last checkpoint when there is one
     value_params = [p for p in value_model.parameters() if p.requires_grad]
     value_lr = cfg.value_learning_rate or cfg.learning_rate
-    start = learner.start_training(run, cfg, cfg.total_steps, (value_params, value_lr))
+    start, rng = RolloutRNG.start(learner, run, cfg, spec.seed, device, (value_params, value_lr))
     if start.finished:
         return start.finished
-    rng, control = RolloutRNG(spec.seed, ranks, device, start.state), Controllers(cfg, start.state)
+    control = Controllers(cfg, start.state)
     kl_ctl, score_moments, monitor = control.kl_ctl, control.score_moments, control.monitor
 
     def trainer_state() -> dict[str, object]:
@@ -113,12 +112,11 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     if ptx_rows:  # the pretraining rows of an update, in the order SFT would take them: a rank's share
         ptx = partial(ptx_minibatch, ptx_rows, tokenizer, cfg, spec.seed, share=ranks.share(cfg.mini_batch_size),
                       device=device)  # fmt: skip
-    for step in range(start.step + 1, cfg.total_steps + 1):
+    for step, batch_rows in rng.prompt_batches(prompt_rows, cfg, start.step):
         t0 = time.perf_counter()
         # 1. rollout: a batch of prompts (left-padded), each rank sampling responses to its share, truncated
         #    after the stop token, with logprobs, ref_logprobs, values and scores. Every rank's rows are then
         #    gathered: the stages up to the PPO epochs see the whole batch.
-        batch_rows = [prompt_rows[i] for i in batch_indices(len(prompt_rows), B, spec.seed, step - 1)]
         ro, graded = roll(batch_rows, rng.sampling, share=ranks.share(B), trainer_logprobs=correction is not None)
         ro = gather_rollout(ro, ranks, tokenizer.pad_token_id)
         graded = gathered(graded, ranks, device) if graded else None  # graders: every rank's components

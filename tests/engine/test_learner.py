@@ -145,8 +145,7 @@ def test_rollout_correction_weights_each_tokens_policy_loss(learner: Learner, na
     learner.model.zero_grad(set_to_none=True)
 
     logprobs, _ = token_logprobs(learner.model, tokens.query_responses, tokens.attention_mask, P)
-    per_token = POLICY_LOSSES[name](logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask,
-                                    LossSettings(0.2, 0.2)).per_token  # fmt: skip
+    per_token = POLICY_LOSSES[name](logprobs, inputs, LossSettings(0.2, 0.2)).per_token
     total, capped = torch.zeros(()), 0
     for i in range(N):
         for t in range(T):
