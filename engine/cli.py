@@ -83,7 +83,8 @@ def train(spec: JobSpec, out: Path, label: str | None = None, *, restart: bool =
         deleted = delete_run(out)
         print(f"{label or spec.name or spec.type}: restarting; deleted {deleted} checkpoint(s) of {out}")
     else:
-        check_same_spec(out, spec)
+        for change in check_same_spec(out, spec):
+            print(f"{label or spec.name or spec.type}: resuming as this version trains it: {change}")
     bar = ProgressBar(spec.type, label or spec.name or spec.type)
     callbacks: Callbacks = MetricsFile(bar, out / METRICS_FILE)
     tracker = None

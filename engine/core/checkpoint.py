@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.core.models import save_model
-from engine.spec.config import JobSpec
+from engine.spec.config import JobSpec, upgraded_spec
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.pt"
@@ -197,20 +197,22 @@ class SpecMismatchError(ValueError):
         )
 
 
-def stored_spec(out_dir: Path) -> dict[str, Any] | None:
+def stored_spec(out_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
     """The spec of the run in ``out_dir`` (``spec.json``, else the ``spec`` of ``job.json``), in JSON form with
-    the defaults of this version filled in; None when the folder has neither (a folder of an older version)."""
+    the defaults of this version filled in and its values upgraded (:func:`engine.spec.config.upgraded_spec`), and what
+    the upgrade changed; None when the folder has neither (a folder of an older version)."""
     for name, key in ((SPEC_FILE, None), (JOB_FILE, "spec")):
         path = out_dir / name
         if path.is_file():
             record = json.loads(path.read_text())
             data = record.get(key) if key else record
             if isinstance(data, dict):
+                data, changes = upgraded_spec(data)
                 try:  # a field added since has its default, not a difference
-                    return JobSpec.model_validate(data).model_dump(mode="json")
+                    return JobSpec.model_validate(data).model_dump(mode="json"), changes
                 except ValidationError:  # a field since removed or narrowed: compare as written
-                    return data
-    return None
+                    return data, changes
+    return None, []
 
 
 def spec_differences(old: Any, new: Any, path: tuple[str, ...] = ()) -> list[str]:
@@ -224,18 +226,20 @@ def spec_differences(old: Any, new: Any, path: tuple[str, ...] = ()) -> list[str
     return [] if old == new else [f"{'.'.join(path)} {old!r} → {new!r}"]
 
 
-def check_same_spec(out_dir: Path, spec: JobSpec) -> None:
+def check_same_spec(out_dir: Path, spec: JobSpec) -> list[str]:
     """Raise :class:`SpecMismatchError` when ``out_dir`` holds a run (checkpoints or a ``job.json``) whose
     stored spec differs from ``spec`` in a field that changes what is trained. A folder with nothing to resume,
-    or without a stored spec (written by an older version), passes."""
+    or without a stored spec (written by an older version), passes. Returns what upgrading the stored spec to
+    this version changed (the run resumes as upgraded)."""
     if latest_checkpoint(out_dir) is None and not (out_dir / JOB_FILE).is_file():
-        return
-    old = stored_spec(out_dir)
+        return []
+    old, changes = stored_spec(out_dir)
     if old is None:
-        return
+        return []
     differences = spec_differences(old, spec.model_dump(mode="json"))
     if differences:
         raise SpecMismatchError(out_dir, differences)
+    return changes
 
 
 def delete_run(out_dir: Path) -> int:

@@ -11,6 +11,7 @@ batch (never a ``time/*`` metric), so every rank takes the same decision at the 
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import median, pstdev
 from typing import TYPE_CHECKING, Any, Literal
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from engine.core.loop import JobResult, Run
 
 Signal = Literal["reward_jump", "kl_jump", "perplexity_collapse", "length_blowup"]
+Rule = Callable[[float, float, float, float], str | None]
+"""A collapse rule of :class:`CollapseMonitor`: (value, median, spread, threshold) -> why it fires, or None."""
 
 WATCHED = {
     "reward": "objective/scores",
@@ -106,19 +109,29 @@ class CollapseMonitor:
         A missing or non-finite metric is neither judged nor kept.
         """
         values = {name: metrics.get(key, math.nan) for name, key in WATCHED.items()}
-        alerts = [alert for alert in self._judge(step, values) if alert is not None]
+        alerts = self._judge(step, values)
         for name, value in values.items():
             if math.isfinite(value):
                 self.history[name].append(float(value))
         return alerts
 
-    def _judge(self, step: int, values: dict[str, float]) -> list[Alert | None]:
-        return [
-            self._reward_jump(step, values["reward"]),
-            self._kl_jump(step, values["kl"]),
-            self._perplexity_collapse(step, values["perplexity"]),
-            self._length_blowup(step, values["length"]),
+    def _judge(self, step: int, values: dict[str, float]) -> list[Alert]:
+        """Each rule whose threshold is set, once its series has a baseline: an alert where it fires."""
+        rules: list[tuple[Signal, str, float | None, Rule]] = [
+            ("reward_jump", "reward", self.reward_z, self._reward_jump),
+            ("kl_jump", "kl", self.kl_factor, self._kl_jump),
+            ("perplexity_collapse", "perplexity", self.perplexity_ratio, self._perplexity_collapse),
+            ("length_blowup", "length", self.length_factor, self._length_blowup),
         ]
+        alerts = []
+        for signal, name, threshold, rule in rules:
+            value = values[name]
+            if threshold is None or (base := self._baseline(name, value)) is None:
+                continue
+            center, spread = base
+            if (why := rule(value, center, spread, threshold)) is not None:
+                alerts.append(Alert(signal, step, value, center, f"step {step}: {why}"))
+        return alerts
 
     def _baseline(self, name: str, value: float) -> tuple[float, float] | None:
         """(median, robust spread) of ``name``'s history, or None before the warm-up or for a bad value."""
@@ -130,62 +143,44 @@ class CollapseMonitor:
         # the larger of two estimates: either alone, over a short window, is now and then far too small
         return center, max(MAD_TO_STD * mad, pstdev(history), MIN_SPREAD_FRACTION * abs(center), MIN_SPREAD)
 
-    def _reward_jump(self, step: int, value: float) -> Alert | None:
-        if self.reward_z is None or (base := self._baseline("reward", value)) is None:
-            return None
-        center, spread = base
+    # The rules: (the step's value, its series' median and robust spread, the rule's threshold) -> why the signal
+    # fires (the alert's message after "step N: "), or None
+
+    def _reward_jump(self, value: float, center: float, spread: float, reward_z: float) -> str | None:
         z = (value - center) / spread
-        if z <= self.reward_z:
+        if z <= reward_z:
             return None
-        return Alert(
-            "reward_jump", step, value, center,
-            f"step {step}: reward jumped to {value:.4g} from a recent median of {center:.4g} ({z:.1f} times "
-            f"its recent spread above it); the policy may have found a shortcut in the reward model",
-        )  # fmt: skip
+        return (
+            f"reward jumped to {value:.4g} from a recent median of {center:.4g} ({z:.1f} times its recent spread "
+            "above it); the policy may have found a shortcut in the reward model"
+        )
 
-    def _kl_jump(self, step: int, value: float) -> Alert | None:
-        if self.kl_factor is None or (base := self._baseline("kl", value)) is None:
+    def _kl_jump(self, value: float, center: float, spread: float, kl_factor: float) -> str | None:
+        if value < self.kl_min or value < kl_factor * max(center, 0.0):
             return None
-        center = base[0]
-        if value < self.kl_min or value < self.kl_factor * max(center, 0.0):
-            return None
-        return Alert(
-            "kl_jump", step, value, center,
-            f"step {step}: KL to the reference jumped to {value:.4g} from a recent median of {center:.4g}; "
-            f"the policy broke away from the reference, its outputs may have collapsed",
-        )  # fmt: skip
+        return (
+            f"KL to the reference jumped to {value:.4g} from a recent median of {center:.4g}; the policy broke away "
+            "from the reference, its outputs may have collapsed"
+        )
 
-    def _perplexity_collapse(self, step: int, value: float) -> Alert | None:
-        if self.perplexity_ratio is None or (base := self._baseline("perplexity", value)) is None:
-            return None
-        center = base[0]
-        if center <= 1.0 or value <= 0:
-            return None
+    def _perplexity_collapse(self, value: float, center: float, spread: float, ratio: float) -> str | None:
         # log perplexity is the mean surprisal per token: 0 for a deterministic policy
-        if math.log(max(value, 1.0)) >= self.perplexity_ratio * math.log(center):
+        if center <= 1.0 or value <= 0 or math.log(max(value, 1.0)) >= ratio * math.log(center):
             return None
-        return Alert(
-            "perplexity_collapse", step, value, center,
-            f"step {step}: perplexity fell to {value:.4g} from a recent median of {center:.4g}; the policy "
-            f"became near-deterministic (mode collapse)",
-        )  # fmt: skip
+        return (
+            f"perplexity fell to {value:.4g} from a recent median of {center:.4g}; the policy became "
+            "near-deterministic (mode collapse)"
+        )
 
-    def _length_blowup(self, step: int, value: float) -> Alert | None:
-        if self.length_factor is None or (base := self._baseline("length", value)) is None:
-            return None
-        center = base[0]
-        threshold = self.length_factor * center
+    def _length_blowup(self, value: float, center: float, spread: float, factor: float) -> str | None:
         # Pinned at the cap, which keeps the length from reaching the threshold: a blow-up when the rise is at
         # least half the threshold's (responses at the cap from the start, 15.8 -> 16 of 16, are no blow-up).
-        rise = 1 + (self.length_factor - 1) / 2
+        rise = 1 + (factor - 1) / 2
         pinned = self.max_length is not None and value >= self.max_length >= rise * center
-        if not (value >= threshold and value > center) and not pinned:
+        if not (value >= factor * center and value > center) and not pinned:
             return None
         why = f"every response hit the maximum length ({self.max_length})" if pinned else "responses blew up"
-        return Alert(
-            "length_blowup", step, value, center,
-            f"step {step}: mean response length rose to {value:.4g} from a recent median of {center:.4g}; {why}",
-        )  # fmt: skip
+        return f"mean response length rose to {value:.4g} from a recent median of {center:.4g}; {why}"
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": {name: list(values) for name, values in self.history.items()}}

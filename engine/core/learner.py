@@ -21,7 +21,7 @@ from engine.core.loop import Run, Start, check_finite, clip_and_step
 from engine.core.models import folded_adapters, rounds_when_folded, token_logprobs
 from engine.core.ops import aggregate, kl_per_token
 from engine.spec.config import Aggregation, TrainConfig
-from engine.spec.policy_losses import POLICY_LOSSES, LossSettings
+from engine.spec.policy_losses import POLICY_LOSSES, LossBatch, LossSettings, rollout_correction
 
 Reference = PreTrainedModel | Literal["base"] | None
 """A policy's reference: a frozen model, ``"base"`` (a LoRA policy with its adapters disabled), or none."""
@@ -65,20 +65,19 @@ class Objective:
 
 
 @dataclass
-class LossInputs:
-    """A micro-batch's inputs to an :class:`Objective`, each (n, T)."""
+class LossInputs(LossBatch):
+    """A micro-batch's inputs to an :class:`Objective`: the policy loss's (``old_logprobs``, ``advantages``,
+    ``mask``, each (n, T)) and the aggregation's."""
 
-    old_logprobs: torch.Tensor
-    """The log-probs the samples were drawn with (the ratio's denominator)."""
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    """1.0 on kept response tokens."""
     n_sequences: int
     """Sequences of the whole minibatch (every rank's): the aggregation's divisor."""
     n_tokens: torch.Tensor
     """Kept tokens of the whole minibatch."""
     ref_logprobs: torch.Tensor | None = None
     """The reference's log-probs, for the KL loss term."""
+    sampler_logprobs: torch.Tensor | None = None
+    """The sampler's log-probs, when ``old_logprobs`` are the trainer's: for the objective's ``rollout_correction``,
+    which weights each token's policy loss by min(π_old/π_sampler, cap)."""
 
 
 def base_of(model: PreTrainedModel) -> AbstractContextManager[None]:
@@ -195,7 +194,8 @@ class Learner:
         processes they are averaged after the ``last`` micro-batch). Returns the detached statistics: ``pg`` (the
         policy loss), ``kl`` (the KL term, with one), ``ent`` (the entropy, when measured), ``clip`` (clip
         fraction), ``akl`` (approx-KL to the sampling policy, ½ E[log ratio²]), each this micro-batch's share of
-        the minibatch's."""
+        the minibatch's. With the settings' ``rollout_correction``, each token's policy loss is weighted by its
+        truncated importance weight (:func:`engine.spec.policy_losses.rollout_correction`) before the aggregation."""
         mask, n_tokens = inputs.mask, inputs.n_tokens
         entropy_in_loss = grad and objective.entropy_coef > 0
         qr, am, P = batch.query_responses, batch.attention_mask, batch.context_length
@@ -203,9 +203,13 @@ class Learner:
             logprobs, token_entropy = token_logprobs(
                 self.trained, qr, am, P, self.temperature, entropy=objective.entropy, entropy_grad=entropy_in_loss
             )
-            out = POLICY_LOSSES[objective.loss](logprobs, inputs.old_logprobs, inputs.advantages, mask,
-                                                objective.settings)  # fmt: skip
-            pg_loss = aggregate(out.per_token, mask, objective.aggregation, inputs.n_sequences, n_tokens,
+            out = POLICY_LOSSES[objective.loss](logprobs, inputs, objective.settings)
+            per_token, cap = out.per_token, objective.settings.rollout_correction
+            if cap is not None:  # truncated importance sampling of the sampler's mismatch, for every loss
+                if inputs.sampler_logprobs is None:
+                    raise ValueError("rollout_correction needs the sampler's log-probs (LossInputs.sampler_logprobs)")
+                per_token, _ = rollout_correction(per_token, inputs.old_logprobs, inputs.sampler_logprobs, cap)
+            pg_loss = aggregate(per_token, mask, objective.aggregation, inputs.n_sequences, n_tokens,
                                 objective.max_tokens)  # fmt: skip
             loss, stats = pg_loss, {"pg": pg_loss}
             if objective.kl_coef > 0:
@@ -245,7 +249,12 @@ class Learner:
 
     @torch.inference_mode()
     def sample(
-        self, queries: torch.Tensor, query_mask: torch.Tensor, generator: torch.Generator, group_size: int = 1
+        self,
+        queries: torch.Tensor,
+        query_mask: torch.Tensor,
+        generator: torch.Generator,
+        group_size: int = 1,
+        retake: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``group_size`` responses to each query (B, P) with their log-probs: raw tokens and log-probs (B·G, T),
         as :func:`engine.core.generate.sample` gives them (tokens after a stop are junk for the caller to truncate).
@@ -254,14 +263,15 @@ class Learner:
         them (half-precision weights, :func:`engine.core.models.rounds_when_folded`), the log-probs of the sampled
         tokens are taken again by the training pass itself (adapters unfused): PPO's old log-probs, ratio,
         approx-KL and KL then agree with the update's. That is one forward over the sampled tokens, where decoding
-        unfused pays the adapters' kernels at every token."""
+        unfused pays the adapters' kernels at every token. Not ``retake``: the sampler's own log-probs always (a
+        caller that takes the training pass's itself, for ``rollout_correction``)."""
         s = self.sampling
         self.model.eval()
         with folded_adapters(self.model, rounded=True):
             raw, logprobs = sample(self.model, queries, query_mask, s.response_length, s.temperature, top_k=s.top_k,
                                    eos_token_id=s.stop_token_ids, generator=generator, group_size=group_size,
                                    decoder=self.decoder)  # fmt: skip
-        if rounds_when_folded(self.model):
+        if retake and rounds_when_folded(self.model):
             query_responses = torch.cat([queries.repeat_interleave(group_size, 0), raw], dim=1)  # (B·G, P + T)
             attention_mask = torch.cat([query_mask.repeat_interleave(group_size, 0), torch.ones_like(raw)], dim=1)
             # over every sampled token: those after a row's stop are junk, as the sampler's are (the caller masks)

@@ -3,7 +3,7 @@ the policy, rolling out a batch's prompt rows, the sampling and shuffling genera
 PPO's critic with the scorer of its reward.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -11,11 +11,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
-from engine.core.data import encode_prompts
+from engine.core.data import batch_indices, encode_prompts
 from engine.core.distributed import Ranks
 from engine.core.generate import decode_warning, job_decoder
 from engine.core.learner import Learner, LossInputs, Objective, Reference, Sampling, accumulate, mean
-from engine.core.loop import Run, load_datasets
+from engine.core.loop import Run, Start, load_datasets, seed_everything
 from engine.core.models import (
     check_fits,
     frozen,
@@ -29,7 +29,7 @@ from engine.core.rollout import Rollout, Scorer, decode_responses, merged, roll_
 from engine.rewards.function import RewardFunction, eval_metrics, grader_scorer, samples_of
 from engine.rewards.graders import ModelGrader, RewardScores, Samples
 from engine.rewards.reward_model import same_vocabulary
-from engine.spec.config import DistillConfig, GroupSamplingConfig, GRPOConfig, JobSpec, PPOConfig
+from engine.spec.config import DistillConfig, GroupSamplingConfig, GRPOConfig, JobSpec, PPOConfig, SamplingConfig
 
 Reward = Callable[[Samples, Sequence[bool]], RewardScores]
 """A reward of graders (:class:`engine.rewards.function.RewardFunction`)."""
@@ -83,28 +83,54 @@ def roll_out_rows(
     group_size: int = 1,
     critic: PreTrainedModel | None = None,
     share: slice = slice(None),
+    trainer_logprobs: bool = False,
 ) -> tuple[Rollout, RewardScores | None]:
     """:func:`roll_out` of the prompts of ``rows[share]`` (a process's share of a batch). The whole batch's prompts
-    are encoded together, so that every process's rollout has the same prompt width."""
+    are encoded together, so that every process's rollout has the same prompt width. ``trainer_logprobs``: the
+    trainer's log-probs taken again, the sampler's kept (for ``rollout_correction``)."""
     queries, query_mask = encode_prompts(tokenizer, [row["prompt"] for row in rows], max_prompt_length)
     device = learner.model.device
     queries, query_mask = queries[share].to(device), query_mask[share].to(device)
     return roll_out(learner, rows[share], queries, query_mask, generator, scorer, tokenizer.pad_token_id,
-                    group_size, critic)  # fmt: skip
+                    group_size, critic, trainer_logprobs)  # fmt: skip
 
 
 class RolloutRNG:
     """An online method's generators: ``sampling`` (one per rank) and ``shuffle`` (the minibatch order, the same
-    on every rank), restored from a checkpoint's trainer state."""
+    on every rank), restored from a checkpoint's trainer state; and the prompt order, a function of the seed."""
 
     def __init__(self, seed: int, ranks: Ranks, device: torch.device, state: dict[str, Any] | None) -> None:
-        self.ranks = ranks
+        self.seed, self.ranks = seed, ranks
         self.sampling = torch.Generator(device).manual_seed(seed + 1_000_003 * ranks.rank)
         self.shuffle = torch.Generator().manual_seed(seed + 1)
         if state:
             sampling = state["rank_generators"][ranks.rank] if ranks.world_size > 1 else state["generator"]
             self.sampling.set_state(sampling)
             self.shuffle.set_state(state["shuffle"])
+
+    @classmethod
+    def start(
+        cls,
+        learner: Learner,
+        run: Run,
+        cfg: OnlineConfig,
+        seed: int,
+        device: torch.device,
+        *more: tuple[list[torch.nn.Parameter], float],
+    ) -> tuple[Start, "RolloutRNG"]:
+        """Where an online job's loop starts: :meth:`Learner.start_training` over ``cfg.total_steps`` (``more``: other
+        parameter groups, e.g. a critic's), and the generators, both restored when resuming."""
+        start = learner.start_training(run, cfg, cfg.total_steps, *more)
+        return start, cls(seed, run.ranks, device, start.state)
+
+    def prompt_batches(
+        self, rows: list[dict[str, Any]], cfg: OnlineConfig, done: int
+    ) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+        """Each step after the ``done`` ones, to ``cfg.total_steps``, with its ``cfg.batch_size`` prompt rows: a
+        function of (seed, step) alone (:func:`engine.core.data.batch_indices`), so a resumed job goes on in the same
+        order."""
+        for step in range(done + 1, cfg.total_steps + 1):
+            yield step, [rows[i] for i in batch_indices(len(rows), cfg.batch_size, self.seed, step - 1)]
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of them (called on every rank: it gathers the ranks' sampling states)."""
@@ -214,14 +240,16 @@ def open_prompts(
     spec: JobSpec,
     out_dir: Path,
     callbacks: Callbacks,
-    eval_max_prompts: int,
     more: dict[str, list[dict[str, Any]]] | None = None,
 ) -> tuple[Run, list[dict[str, Any]], list[dict[str, Any]]]:
-    """The run of an online job and its prompt rows: ``dataset``'s, and rank 0's first ``eval_max_prompts`` of
-    ``eval_dataset`` (none elsewhere). ``more``: other rows the run checks, by the spec field that names them."""
+    """Seed, and open the run of an online job and its prompt rows: ``dataset``'s, and rank 0's first
+    ``eval_max_prompts`` of ``eval_dataset`` (none elsewhere). ``more``: other rows the run checks, by the spec
+    field that names them."""
+    assert isinstance(spec.config, SamplingConfig)
+    seed_everything(spec.seed)
     ranks = Ranks.current()  # several processes: each rolls out and trains on its share of every batch
     rows, eval_rows = load_datasets(spec, "prompts", ranks)
-    eval_rows = eval_rows[:eval_max_prompts]
+    eval_rows = eval_rows[: spec.config.eval_max_prompts]
     run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows, **(more or {})})
     return run, rows, eval_rows
 
@@ -250,8 +278,9 @@ def policy_gradients(
 
     def micro(part: slice, last: bool) -> dict[str, torch.Tensor]:
         inds = own[part]
+        sampler = None if ro.sampler_logprobs is None else ro.sampler_logprobs[inds]
         inputs = LossInputs(ro.logprobs[inds], advantages[inds], mask[inds], n_sequences, n_tokens,
-                            ro.ref_logprobs[inds])  # fmt: skip
+                            ro.ref_logprobs[inds], sampler)  # fmt: skip
         return learner.forward_backward(ro.tokens.rows(inds), objective, inputs, last)
 
     return accumulate(len(own), cfg.micro_batch_size // ranks.world_size, POLICY_STATS, micro, ranks, mask.device)

@@ -21,6 +21,7 @@ from engine.core.models import (
 from engine.core.ops import is_stop, truncate_after_stop
 from engine.rewards.graders import RewardScores
 from engine.rewards.reward_model import score_texts, sequence_scores
+from engine.spec.policy_losses import rollout_correction
 
 
 @dataclass
@@ -48,6 +49,9 @@ class Rollout:
     """The reward of each sample: (N,)."""
     values: torch.Tensor | None = None
     """With a critic, its values of the states before each response token: (N, T)."""
+    sampler_logprobs: torch.Tensor | None = None
+    """Where the trainer's log-probs were taken again (``logprobs``, for ``rollout_correction``), the sampler's,
+    0 after the stop: (N, T)."""
 
     @property
     def tokens(self) -> Tokens:
@@ -71,18 +75,22 @@ def roll_out(
     pad_token_id: int,
     group_size: int = 1,
     critic: PreTrainedModel | None = None,
+    trainer_logprobs: bool = False,
 ) -> tuple[Rollout, RewardScores | None]:
     """``group_size`` responses to each query (B, P) of the dataset ``rows``, each up to its first stop token,
-    with the sampler's log-probs (:meth:`Learner.sample`), the reference's (none: the policy's own), the
+    with the sampler's log-probs (:meth:`Learner.sample`; with ``trainer_logprobs``, the trainer's taken again by
+    :meth:`Learner.forward`, the sampler's kept as ``sampler_logprobs``), the reference's (none: the policy's own), the
     ``scorer``'s rewards and, with a ``critic`` (a sequence-classification model), its values, taken under
     :func:`engine.core.models.folded_adapters` (folded in float32, unfused in half precision, so the values agree with
     the update's). Forwards run ``learner.chunk_size`` rows at a time."""
-    raw, raw_logprobs = learner.sample(queries, query_mask, generator, group_size)  # (N, T)
+    raw, raw_logprobs = learner.sample(queries, query_mask, generator, group_size, retake=not trainer_logprobs)
     responses, mask, stopped = truncate_after_stop(raw, learner.sampling.stop_token_ids, pad_token_id)
     query_responses = torch.cat([queries.repeat_interleave(group_size, 0), responses], dim=1)  # (N, P + T)
     attention_mask = torch.cat([query_mask.repeat_interleave(group_size, 0), mask], dim=1)
     tokens = Tokens(query_responses, attention_mask, queries.shape[1])
-    logprobs = raw_logprobs * mask
+    logprobs = sampler_logprobs = raw_logprobs * mask  # (N, T)
+    if trainer_logprobs:  # the policy before the step's updates, as the training pass computes it
+        logprobs = learner.forward(tokens) * mask
     ref_logprobs = learner.forward(tokens, reference=True) * mask if learner.reference is not None else logprobs
     scores, graded = scorer([row for row in rows for _ in range(group_size)], tokens)
     values = None
@@ -94,7 +102,7 @@ def roll_out(
             values = torch.cat([response_values(head, query_responses[c], attention_mask[c], tokens.context_length)
                                 for c in parts])  # fmt: skip
     rollout = Rollout(query_responses, attention_mask, tokens.context_length, responses, mask, stopped, logprobs,
-                      ref_logprobs, scores, values)  # fmt: skip
+                      ref_logprobs, scores, values, sampler_logprobs if trainer_logprobs else None)  # fmt: skip
     return rollout, graded
 
 
@@ -150,6 +158,22 @@ def decode_responses(
     responses, mask = tokens.query_responses[:, P:], tokens.attention_mask[:, P:]  # (B, T)
     stopped = (is_stop(responses, stop_token_ids) & (mask == 1)).any(1).tolist()
     return response_texts(tokenizer, responses, mask, stop_token_ids), stopped
+
+
+def correction_metrics(ro: Rollout, cap: float | None) -> dict[str, float]:
+    """Where the rollout took the trainer's log-probs again (``sampler_logprobs``): ``rollout/logprob_gap``, the
+    mean over response tokens of |sampler's - trainer's| log-prob (the sync check), and with ``cap``
+    ``rollout/correction_capped_fraction``, the share of them whose weight min(π_old/π_sampler, cap) is the cap.
+    Else none."""
+    if ro.sampler_logprobs is None:
+        return {}
+    mask = ro.mask.float()  # (N, T)
+    n_tokens = mask.sum().clamp(min=1)
+    metrics = {"rollout/logprob_gap": ((ro.sampler_logprobs - ro.logprobs).abs() * mask).sum() / n_tokens}
+    if cap is not None:
+        _, capped = rollout_correction(mask, ro.logprobs, ro.sampler_logprobs, cap)
+        metrics["rollout/correction_capped_fraction"] = (capped * mask).sum() / n_tokens
+    return {name: value.item() for name, value in metrics.items()}
 
 
 def samples_due(step: int, every: int | None) -> bool:
@@ -213,6 +237,7 @@ def pad_responses(ro: Rollout, length: int, pad_token_id: int) -> Rollout:
         logprobs=pad(ro.logprobs, 0),
         ref_logprobs=pad(ro.ref_logprobs, 0),
         values=None if ro.values is None else pad(ro.values, 0),
+        sampler_logprobs=None if ro.sampler_logprobs is None else pad(ro.sampler_logprobs, 0),
     )
 
 
@@ -222,7 +247,5 @@ def gather_rollout(ro: Rollout, ranks: Ranks, pad_token_id: int) -> Rollout:
     if ranks.world_size == 1:
         return ro
     ro = pad_responses(ro, ranks.max(ro.responses.shape[1]), pad_token_id)
-    skipped = ("context_length", "values")
-    tensors = {f.name: ranks.gather(getattr(ro, f.name)) for f in fields(ro) if f.name not in skipped}
-    values = None if ro.values is None else ranks.gather(ro.values)
-    return Rollout(context_length=ro.context_length, values=values, **tensors)
+    kept = [f.name for f in fields(ro) if f.name != "context_length" and getattr(ro, f.name) is not None]
+    return Rollout(context_length=ro.context_length, **{name: ranks.gather(getattr(ro, name)) for name in kept})

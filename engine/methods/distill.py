@@ -23,9 +23,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
-from engine.core.data import batch_indices
 from engine.core.learner import Learner, Objective, Tokens, run_updates
-from engine.core.loop import JobResult, seed_everything
+from engine.core.loop import JobResult
 from engine.core.models import check_fits, frozen, load_causal_lm, load_tokenizer, prepare
 from engine.core.online import (
     RolloutRNG,
@@ -36,7 +35,7 @@ from engine.core.online import (
     roll_out_rows,
     update_metrics,
 )
-from engine.core.rollout import Scorer, gather_rollout, logged_samples, samples_due
+from engine.core.rollout import Scorer, correction_metrics, gather_rollout, logged_samples, samples_due
 from engine.methods.grpo import sequence_advantages
 from engine.rewards.function import RewardFunction, eval_metrics, gathered, grader_scorer
 from engine.rewards.graders import reward_metrics
@@ -70,18 +69,17 @@ def no_reward(rows: Any, tokens: Tokens) -> tuple[torch.Tensor, None]:
 def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
     cfg = spec.config
     assert isinstance(cfg, DistillConfig) and spec.teacher is not None
-    seed_everything(spec.seed)
-    G = cfg.group_size
 
     # Data: prompt rows (their other columns feed the graders); rank 0 evaluates. The teacher must read the
     # student's token ids as the same text.
-    run, rows, eval_rows = open_prompts(spec, out_dir, callbacks, cfg.eval_max_prompts)
+    run, rows, eval_rows = open_prompts(spec, out_dir, callbacks)
     tokenizer, ranks = run.tokenizer, run.ranks
     if not same_vocabulary(tokenizer, load_tokenizer(spec.teacher)):
         raise ValueError(vocabulary_mismatch("teacher"))
 
     # Models: the trained student, and the frozen teacher as its reference (the rollout takes its log-probs).
     # Rewards, when given: the graders, their reward models loaded once.
+    G = cfg.group_size  # samples per prompt
     learner, cfg = open_policy(run, cfg, device, [*rows, *eval_rows], False, cfg.batch_size * G)
     teacher = frozen(prepare(load_causal_lm(spec.teacher, tokenizer, spec.seed), device, cfg.dtype, False))
     longest = (cfg.max_prompt_length or 0) + cfg.response_length  # max_prompt_length: sized by open_policy
@@ -95,20 +93,17 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
     )
     objective = Objective(cfg.policy_loss, cfg.loss_settings, "token_mean")
 
-    start = learner.start_training(run, cfg, cfg.total_steps)
+    start, rng = RolloutRNG.start(learner, run, cfg, spec.seed, device)
     if start.finished:
         return start.finished
-    rng = RolloutRNG(spec.seed, ranks, device, start.state)
 
-    for step in range(start.step + 1, cfg.total_steps + 1):
+    for step, batch_rows in rng.prompt_batches(rows, cfg, start.step):
         t0 = time.perf_counter()
         # 1. rollout: each rank samples its share of the batch's prompts group_size times, with the teacher's
         #    log-probs of the samples (and their scores, with a reward); every rank's samples are then gathered
-        batch_rows = [rows[i] for i in batch_indices(len(rows), cfg.batch_size, spec.seed, step - 1)]
         share = ranks.share(cfg.batch_size)
-        ro, scored = roll_out_rows(
-            learner, tokenizer, cfg.max_prompt_length, scorer, batch_rows, rng.sampling, G, share=share
-        )
+        ro, scored = roll_out_rows(learner, tokenizer, cfg.max_prompt_length, scorer, batch_rows, rng.sampling, G,
+                                   share=share, trainer_logprobs=cfg.rollout_correction is not None)  # fmt: skip
         ro = gather_rollout(ro, ranks, tokenizer.pad_token_id)
         scored = None if scored is None else gathered(scored, ranks, device)
         t_rollout = time.perf_counter() - t0
@@ -152,6 +147,7 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
             "distill/teacher_logprob": (ro.ref_logprobs * mask).sum().item() / tokens,
             "distill/student_logprob": (ro.logprobs * mask).sum().item() / tokens,
             **update_metrics(ro, mask, stats, lr, t_rollout, elapsed),
+            **correction_metrics(ro, cfg.rollout_correction),
         })  # fmt: skip
         if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
             metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()

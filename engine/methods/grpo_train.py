@@ -22,9 +22,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
-from engine.core.data import batch_indices
 from engine.core.learner import Objective, mean, run_updates
-from engine.core.loop import JobResult, seed_everything
+from engine.core.loop import JobResult
 from engine.core.online import (
     RolloutRNG,
     evaluate,
@@ -35,7 +34,7 @@ from engine.core.online import (
     update_metrics,
 )
 from engine.core.ops import kl_per_token
-from engine.core.rollout import Rollout, gather_rollout, logged_samples, samples_due
+from engine.core.rollout import Rollout, correction_metrics, gather_rollout, logged_samples, samples_due
 from engine.methods.grpo import tied_groups, token_advantages
 from engine.rewards.function import RewardFunction, gathered, grader_scorer
 from engine.rewards.graders import RewardScores, reward_metrics
@@ -45,15 +44,14 @@ from engine.spec.config import K1_LOSS_TERM_WARNING, GRPOConfig, JobSpec
 def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
     cfg = spec.config
     assert isinstance(cfg, GRPOConfig) and spec.reward_grader is not None
-    seed_everything(spec.seed)
-    G = cfg.group_size
 
     # Data: prompt rows (their other columns feed the graders); rank 0 evaluates
-    run, rows, eval_rows = open_prompts(spec, out_dir, callbacks, cfg.eval_max_prompts)
+    run, rows, eval_rows = open_prompts(spec, out_dir, callbacks)
     tokenizer, ranks = run.tokenizer, run.ranks
 
     # Models: the trained policy, its frozen reference (none when kl_coef is 0). Rewards: the graders, their
     # reward models loaded once.
+    G = cfg.group_size  # samples per prompt
     learner, cfg = open_policy(run, cfg, device, [*rows, *eval_rows], cfg.kl_coef > 0, cfg.batch_size * G)
     if cfg.k1_loss_term:  # accepted, but it does not pull towards the reference
         callbacks.on_event("warning", K1_LOSS_TERM_WARNING, {"reason": "k1_loss_term"})
@@ -71,18 +69,17 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         kl_estimator=cfg.kl_term_estimator,
     )
 
-    start = learner.start_training(run, cfg, cfg.total_steps)
+    start, rng = RolloutRNG.start(learner, run, cfg, spec.seed, device)
     if start.finished:
         return start.finished
-    rng = RolloutRNG(spec.seed, ranks, device, start.state)
 
-    for step in range(start.step + 1, cfg.total_steps + 1):
+    for step, batch_rows in rng.prompt_batches(rows, cfg, start.step):
         t0 = time.perf_counter()
         # 1. rollout: each rank samples its share of the batch's prompts group_size times and scores the samples;
         #    the samples of every rank are then gathered, group by group
-        batch_rows = [rows[i] for i in batch_indices(len(rows), cfg.batch_size, spec.seed, step - 1)]
         ro, scored = roll_out_rows(learner, tokenizer, cfg.max_prompt_length, scorer, batch_rows, rng.sampling, G,
-                                   share=ranks.share(cfg.batch_size))  # fmt: skip
+                                   share=ranks.share(cfg.batch_size),
+                                   trainer_logprobs=cfg.rollout_correction is not None)  # fmt: skip
         assert scored is not None
         ro, scored = gather_rollout(ro, ranks, tokenizer.pad_token_id), gathered(scored, ranks, device)
         t_rollout = time.perf_counter() - t0
@@ -111,6 +108,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
             "groups/tied_fraction": tied_groups(ro.scores, G, cfg.advantage_estimator).item(),
             "loss/kl": mean(stats["kl"]),
             **update_metrics(ro, mask, stats, lr, t_rollout, elapsed),
+            **correction_metrics(ro, cfg.rollout_correction),
         })  # fmt: skip
         if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
             metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()

@@ -24,11 +24,18 @@ from engine.callbacks import Callbacks
 from engine.core.data import batch_indices, encode_sft_batch, load_rows
 from engine.core.health import CollapseMonitor, check_collapse
 from engine.core.learner import Learner, LossInputs, Objective, accumulate, count_labels, mean, run_updates
-from engine.core.loop import JobResult, seed_everything
+from engine.core.loop import JobResult
 from engine.core.models import ScalarHead, check_fits
 from engine.core.online import RolloutRNG, critic_and_scorer, evaluate, open_policy, open_prompts, roll_out_rows
 from engine.core.ops import kl_per_token, masked_mean, masked_whiten
-from engine.core.rollout import Rollout, gather_rollout, logged_samples, response_values, samples_due
+from engine.core.rollout import (
+    Rollout,
+    correction_metrics,
+    gather_rollout,
+    logged_samples,
+    response_values,
+    samples_due,
+)
 from engine.methods.ppo import (
     AdaptiveKLController,
     FixedKLController,
@@ -63,12 +70,11 @@ class Experience:
 def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.device) -> JobResult:
     cfg = spec.config
     assert isinstance(cfg, PPOConfig) and spec.reward_grader is not None
-    seed_everything(spec.seed)
 
     # Data: prompts, and SFT rows for the optional pretraining (ptx) loss; rank 0 evaluates
     ptx_rows = load_rows(cfg.ptx_dataset, "sft") if cfg.ptx_dataset and cfg.ptx_coef > 0 else []
     more = {"hyperparameters.ptx_dataset": ptx_rows}
-    run, prompt_rows, eval_rows = open_prompts(spec, out_dir, callbacks, cfg.eval_max_prompts, more)
+    run, prompt_rows, eval_rows = open_prompts(spec, out_dir, callbacks, more)
     tokenizer, ranks = run.tokenizer, run.ranks  # several processes: each rolls out and trains on its share
 
     # Models: the trained policy and its frozen reference (the starting policy), the critic and the reward
@@ -87,10 +93,10 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     # moments and collapse monitor, restored from the last checkpoint when there is one
     value_params = [p for p in value_model.parameters() if p.requires_grad]
     value_lr = cfg.value_learning_rate or cfg.learning_rate
-    start = learner.start_training(run, cfg, cfg.total_steps, (value_params, value_lr))
+    start, rng = RolloutRNG.start(learner, run, cfg, spec.seed, device, (value_params, value_lr))
     if start.finished:
         return start.finished
-    rng, control = RolloutRNG(spec.seed, ranks, device, start.state), Controllers(cfg, start.state)
+    control = Controllers(cfg, start.state)
     kl_ctl, score_moments, monitor = control.kl_ctl, control.score_moments, control.monitor
 
     def trainer_state() -> dict[str, object]:
@@ -98,19 +104,19 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         return {**control.state(), **rng.state()}
 
     roll = partial(roll_out_rows, learner, tokenizer, cfg.max_prompt_length, scorer, critic=value_model)
+    correction = cfg.rollout_correction  # the rollout takes the trainer's log-probs too
 
     B = cfg.batch_size
     ptx = None
     if ptx_rows:  # the pretraining rows of an update, in the order SFT would take them: a rank's share
         ptx = partial(ptx_minibatch, ptx_rows, tokenizer, cfg, spec.seed, share=ranks.share(cfg.mini_batch_size),
                       device=device)  # fmt: skip
-    for step in range(start.step + 1, cfg.total_steps + 1):
+    for step, batch_rows in rng.prompt_batches(prompt_rows, cfg, start.step):
         t0 = time.perf_counter()
         # 1. rollout: a batch of prompts (left-padded), each rank sampling responses to its share, truncated
         #    after the stop token, with logprobs, ref_logprobs, values and scores. Every rank's rows are then
         #    gathered: the stages up to the PPO epochs see the whole batch.
-        batch_rows = [prompt_rows[i] for i in batch_indices(len(prompt_rows), B, spec.seed, step - 1)]
-        ro, graded = roll(batch_rows, rng.sampling, share=ranks.share(B))
+        ro, graded = roll(batch_rows, rng.sampling, share=ranks.share(B), trainer_logprobs=correction is not None)
         ro = gather_rollout(ro, ranks, tokenizer.pad_token_id)
         graded = gathered(graded, ranks, device) if graded else None  # graders: every rank's components
         mask = ro.mask.float()  # (B, T)
@@ -154,6 +160,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         kl_ctl.update(mean_kl, B)
         elapsed = time.perf_counter() - t0
         metrics = ppo_metrics(exp, raw_scores, non_score_reward, mean_kl, kl_coef, stats, lr, t_rollout, elapsed)
+        metrics.update(correction_metrics(ro, correction))  # the sync check, with rollout_correction
         if ptx_rows:
             metrics["loss/ptx"] = mean(stats["ptx"])
         if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
@@ -246,7 +253,9 @@ def ppo_gradients(
     def micro(part: slice, last: bool) -> dict[str, torch.Tensor]:
         inds = own[part]
         batch, mk = ro.tokens.rows(inds), mask[inds]
-        inputs = LossInputs(ro.logprobs[inds], exp.advantages[inds], mk, len(mb_inds), n_tokens)
+        sampler = None if ro.sampler_logprobs is None else ro.sampler_logprobs[inds]
+        inputs = LossInputs(ro.logprobs[inds], exp.advantages[inds], mk, len(mb_inds), n_tokens,
+                            sampler_logprobs=sampler)  # fmt: skip
         stats = learner.forward_backward(batch, objective, inputs, last, grad=train_policy)
         if ptx is not None:
             ptx_batch, n_ptx_tokens = ptx

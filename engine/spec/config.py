@@ -72,6 +72,9 @@ PolicyLossName = Annotated[
 """PPO's and GRPO's ``policy_loss``: a name of :data:`engine.spec.policy_losses.POLICY_LOSSES`."""
 DualClip = Annotated[float, Field(gt=1, le=1000)]
 """PPO's and GRPO's ``dual_clip``: the cap c > 1 of a negative advantage's loss, -c·A."""
+RolloutCorrection = Annotated[float, Field(gt=1, le=100)]
+"""PPO's and GRPO's ``rollout_correction``: the cap C > 1 of the truncated importance weight min(π_old/π_sampler, C)
+of each token's policy loss (engine/spec/policy_losses.py ``rollout_correction``)."""
 
 
 def _check_dual_clip(policy_loss: str, dual_clip: float | None) -> None:
@@ -269,12 +272,43 @@ COLLAPSE_FLAT_NAMES = {
 """PPOConfig's flat names of the collapse settings before they were grouped → their names in ``collapse``."""
 
 
-class PPOConfig(TrainConfig):
-    """PPO with a KL penalty to a frozen reference (Ziegler et al., arXiv:1909.08593)."""
+class SamplingConfig(TrainConfig):
+    """What the methods that sample their own training data share (PPO, and the group-sampling ones: GRPO,
+    distillation), declared once: the prompts' and the sampler's settings, ``dual_clip``, the eval prompts and the
+    CUDA graphs. Each method declares the rest, the fields whose defaults or meanings differ among them."""
 
     def process_shares(self, processes: int) -> dict[str, int]:
         # batch_size prompts are rolled out split over the processes, then trained on in minibatches split likewise
         return {"batch_size": processes, "mini_batch_size": processes * self.gradient_accumulation_steps}
+
+    max_prompt_length: Annotated[int, Field(ge=1, le=131_072)] | None = None
+    """Prompts longer than this many tokens keep their last ones, and a warning event counts them (how many, the
+    longest, the limit). None: the longest prompt of the dataset and eval dataset, capped by the model's context
+    minus ``response_length`` (a chat model's default system block alone can pass 64 tokens)."""
+    top_k: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    """Sample from the k most likely tokens only (0: the whole vocabulary)."""
+    stop_token: StopToken | None = "eos"
+    """Truncate each response after its first stop token. ``"eos"``: any of the model's end tokens, where
+    transformers' ``generate`` stops (its generation config's ``eos_token_id``, e.g. Llama 3's ``<|eot_id|>``, and
+    the tokenizer's EOS); a token of the vocabulary (e.g. ``"<|im_end|>"``): that token alone, checked when the job
+    starts; None: never truncate."""
+    dual_clip: DualClip | None = None
+    """Dual-clip PPO (Ye et al., arXiv:1912.09729): the loss of a token with a negative advantage is capped at
+    ``dual_clip`` × |A|, so a ratio far above 1 (a token much likelier now than when it was sampled) cannot make
+    the loss unbounded; verl's default is 3. ``ppo_clip`` and ``gspo`` only. None: no cap."""
+    eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
+    """Use at most this many eval prompts (the first ones)."""
+    cuda_graphs: bool = True
+    """On CUDA, sample with static KV caches and each decoding step captured as a CUDA graph (``torch.compile``
+    with inductor's CUDA graphs), replayed across steps and updates: no per-token launch overhead. Prompts are
+    padded to one of 4 lengths and the batch to one of 4 row counts, so a job compiles at most 16 shapes whatever
+    its prompts; a step that cannot be compiled or recorded falls back to eager decoding with a ``warning`` event,
+    and ``rollout/compiled_fraction`` reports the share of decoding steps run compiled. Off: the growing cache,
+    eagerly. No effect on CPU. The same tokens either way; log-probs equal up to rounding."""
+
+
+class PPOConfig(SamplingConfig):
+    """PPO with a KL penalty to a frozen reference (Ziegler et al., arXiv:1909.08593)."""
 
     def token_lengths(self) -> dict[str, tuple[str, int]]:
         tokens = (self.max_prompt_length or 1) + self.response_length  # null: at least a one-token prompt
@@ -295,21 +329,10 @@ class PPOConfig(TrainConfig):
     """Rollouts per optimizer step; ``batch_size`` must be a multiple of it."""
     ppo_epochs: Annotated[int, Field(ge=1, le=100)] = 2
     """Passes over each rollout batch."""
-    max_prompt_length: Annotated[int, Field(ge=1, le=131_072)] | None = None
-    """Prompts longer than this many tokens keep their last ones, and a warning event counts them (how many, the
-    longest, the limit). None: the longest prompt of the dataset and eval dataset, capped by the model's context
-    minus ``response_length`` (a chat model's default system block alone can pass 64 tokens)."""
     response_length: Annotated[int, Field(ge=1, le=65_536)] = 24
     """Tokens sampled per response (fewer when every response stopped)."""
     temperature: Annotated[float, Field(gt=0, le=10)] = 0.7
     """Sampling temperature; logprobs in training use the same temperature."""
-    top_k: Annotated[int, Field(ge=0, le=1_000_000)] = 0
-    """Sample from the k most likely tokens only (0: the whole vocabulary)."""
-    stop_token: StopToken | None = "eos"
-    """Truncate each response after its first stop token. ``"eos"``: any of the model's end tokens, where
-    transformers' ``generate`` stops (its generation config's ``eos_token_id``, e.g. Llama 3's ``<|eot_id|>``, and
-    the tokenizer's EOS); a token of the vocabulary (e.g. ``"<|im_end|>"``): that token alone, checked when the job
-    starts; None: never truncate."""
     missing_eos_penalty: Annotated[float, Field(ge=0, le=1000)] = 1.0
     """Subtracted from the score of a response that did not stop (only with ``stop_token``)."""
     normalize_scores: bool = False
@@ -345,10 +368,14 @@ class PPOConfig(TrainConfig):
     models, whose token ratios are noisy; it wants a far smaller ``cliprange``, the more so the less a step moves
     the model (the paper's 3e-4 / 4e-4 for its large ones; GRPO on the built-in digits task learns at 0.03 /
     0.04)."""
-    dual_clip: DualClip | None = None
-    """Dual-clip PPO (Ye et al., arXiv:1912.09729): the loss of a token with a negative advantage is capped at
-    ``dual_clip`` × |A|, so a ratio far above 1 (a token much likelier now than when it was sampled) cannot make
-    the loss unbounded; verl's default is 3. ``ppo_clip`` and ``gspo`` only. None: no cap."""
+    rollout_correction: RolloutCorrection | None = None
+    """Truncated importance sampling of the sampler's mismatch (Yao et al. 2025; verl's ``tis_imp_ratio_cap``):
+    the rollout also takes the trainer's log-probs of the sampled tokens (one more forward, the policy before the
+    step's updates, π_old), which become the ratio's denominator and the KL's, and each token's policy loss is
+    weighted by min(π_old/π_sampler, ``rollout_correction``), detached. For samplers that compute other numbers
+    than the training pass (another dtype, fused or compiled kernels, folded LoRA adapters); Yao et al. cap at 2.
+    Reports ``rollout/logprob_gap`` and ``rollout/correction_capped_fraction``. None: the sampler's log-probs
+    are the old ones, no weight."""
     cliprange_value: Annotated[float, Field(gt=0, le=1e6)] = 0.2
     """Value clip ε_v around the rollout's values."""
     vf_coef: Annotated[float, Field(ge=0, le=100)] = 0.1
@@ -366,20 +393,11 @@ class PPOConfig(TrainConfig):
     eval_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     """With an eval dataset: sample its prompts every this many steps (and at the end) and report
     ``eval/scores``, ``eval/kl`` and ``eval/length_mean``."""
-    eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
-    """Use at most this many eval prompts (the first ones)."""
     log_samples_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = 10
     """Keep a sample of the rollouts (prompt, response, rewards, KL, length) at step 1 and every this many steps,
     for ``GET /v1/jobs/{id}/samples`` and the dashboard (None: none kept)."""
     log_samples: Annotated[int, Field(ge=1, le=256)] = 16
     """Rollouts kept per logged step: the first ones of the batch."""
-    cuda_graphs: bool = True
-    """On CUDA, sample with static KV caches and each decoding step captured as a CUDA graph (``torch.compile``
-    with inductor's CUDA graphs), replayed across steps and updates: no per-token launch overhead. Prompts are
-    padded to one of 4 lengths and the batch to one of 4 row counts, so a job compiles at most 16 shapes whatever
-    its prompts; a step that cannot be compiled or recorded falls back to eager decoding with a ``warning`` event,
-    and ``rollout/compiled_fraction`` reports the share of decoding steps run compiled. Off: the growing cache,
-    eagerly. No effect on CPU. The same tokens either way; log-probs equal up to rounding."""
     torch_compile: bool = False
     """Compile the training forward (and so the backward) of the policy and critic with ``torch.compile`` for dynamic
     shapes: fused kernels for every update, after the first pays the compilation. For long runs: on a 2-core CPU
@@ -389,17 +407,18 @@ class PPOConfig(TrainConfig):
     names of earlier versions (``on_collapse``, ``collapse_window``, ...) are accepted and moved in here."""
 
     @property
+    def loss_settings(self) -> LossSettings:
+        """The settings of ``policy_loss``: the ratio clipped to 1 ± ``cliprange``."""
+        return LossSettings(clip_low=self.cliprange, clip_high=self.cliprange, dual_clip=self.dual_clip,
+                            rollout_correction=self.rollout_correction)  # fmt: skip
+
+    @property
     def micro_batch_size(self) -> int:
         return self.mini_batch_size // self.gradient_accumulation_steps
 
     @property
     def num_mini_batches(self) -> int:
         return self.batch_size // self.mini_batch_size
-
-    @property
-    def loss_settings(self) -> LossSettings:
-        """The settings of ``policy_loss``: the ratio clipped to 1 ± ``cliprange``."""
-        return LossSettings(clip_low=self.cliprange, clip_high=self.cliprange, dual_clip=self.dual_clip)
 
     @field_validator("kl_estimator")
     @classmethod
@@ -445,14 +464,10 @@ class PPOConfig(TrainConfig):
         return data
 
 
-class GroupSamplingConfig(TrainConfig):
+class GroupSamplingConfig(SamplingConfig):
     """What the methods that sample their own training data in groups share (GRPO and its relatives,
     distillation): each step samples ``batch_size`` prompts ``group_size`` times, then ``num_iterations`` passes of
     minibatch updates of ``policy_loss``."""
-
-    def process_shares(self, processes: int) -> dict[str, int]:
-        # prompts are rolled out split over the processes, samples trained on in minibatches split likewise
-        return {"batch_size": processes, "mini_batch_size": processes * self.gradient_accumulation_steps}
 
     def token_lengths(self) -> dict[str, tuple[str, int]]:
         tokens = (self.max_prompt_length or 1) + self.response_length  # null: at least a one-token prompt
@@ -471,21 +486,10 @@ class GroupSamplingConfig(TrainConfig):
     num_iterations: Annotated[int, Field(ge=1, le=100)] = 1
     """Passes over each step's samples (GRPO's μ); with 1 every update is on-policy and the ratio stays 1 in
     its first minibatch."""
-    max_prompt_length: Annotated[int, Field(ge=1, le=131_072)] | None = None
-    """Prompts longer than this many tokens keep their last ones, and a warning event counts them (how many, the
-    longest, the limit). None: the longest prompt of the dataset and eval dataset, capped by the model's context
-    minus ``response_length`` (a chat model's default system block alone can pass 64 tokens)."""
     response_length: Annotated[int, Field(ge=1, le=65_536)] = 32
     """Tokens sampled per response at most (sampling ends once every response stopped)."""
     temperature: Annotated[float, Field(gt=0, le=10)] = 1.0
     """Sampling temperature; the log-probs of training (and a distillation's teacher's) are taken at it."""
-    top_k: Annotated[int, Field(ge=0, le=1_000_000)] = 0
-    """Sample from the k most likely tokens only (0: the whole vocabulary)."""
-    stop_token: StopToken | None = "eos"
-    """Truncate each response after its first stop token. ``"eos"``: any of the model's end tokens, where
-    transformers' ``generate`` stops (its generation config's ``eos_token_id``, e.g. Llama 3's ``<|eot_id|>``, and
-    the tokenizer's EOS); a token of the vocabulary (e.g. ``"<|im_end|>"``): that token alone, checked when the job
-    starts; None: never truncate."""
     cliprange_low: Annotated[float, Field(gt=0, lt=1)] = 0.2
     """The ratio is clipped below at 1 - cliprange_low."""
     cliprange_high: Annotated[float, Field(gt=0, le=10)] = 0.2
@@ -504,21 +508,12 @@ class GroupSamplingConfig(TrainConfig):
     about a tenth and learn as ``ppo_clip`` does (benchmarks/policy_losses.py). With
     ``num_iterations`` 1 every ratio is 1 in a step's first minibatch, where the four give REINFORCE's gradient
     alike."""
-    dual_clip: DualClip | None = None
-    """Dual-clip PPO (Ye et al., arXiv:1912.09729): the loss of a token with a negative advantage is capped at
-    ``dual_clip`` × |A|, so a ratio far above 1 (a token much likelier now than when it was sampled) cannot make
-    the loss unbounded; verl's default is 3. ``ppo_clip`` and ``gspo`` only. None: no cap."""
-    eval_max_prompts: Annotated[int, Field(ge=1, le=1_000_000)] = 256
-    """Use at most this many eval prompts (the first ones)."""
+    rollout_correction: RolloutCorrection | None = None
+    """The cap C of truncated importance sampling (Yao et al. 2025), as PPO's ``rollout_correction``: the rollout
+    takes the trainer's log-probs of the samples too, the old log-probs of the update, of the KL and of the
+    advantages, and each token's policy loss is weighted by min(π_old/π_sampler, C), detached. None: none."""
     log_samples: Annotated[int, Field(ge=1, le=256)] = 16
     """Samples kept per logged step: the first ones of the batch, whole groups first."""
-    cuda_graphs: bool = True
-    """On CUDA, sample with static KV caches and each decoding step captured as a CUDA graph (``torch.compile``
-    with inductor's CUDA graphs), replayed across steps and updates: no per-token launch overhead. Prompts are
-    padded to one of 4 lengths and the batch to one of 4 row counts, so a job compiles at most 16 shapes whatever
-    its prompts; a step that cannot be compiled or recorded falls back to eager decoding with a ``warning`` event,
-    and ``rollout/compiled_fraction`` reports the share of decoding steps run compiled. Off: the growing cache,
-    eagerly. No effect on CPU. The same tokens either way; log-probs equal up to rounding."""
     torch_compile: bool = False
     """Compile the training forward (and so the backward) of the policy with ``torch.compile`` for dynamic
     shapes: fused kernels for every update, after the first pays the compilation. For long runs: on a 2-core CPU
@@ -531,7 +526,8 @@ class GroupSamplingConfig(TrainConfig):
     @property
     def loss_settings(self) -> LossSettings:
         """The settings of ``policy_loss``: the ratio clipped to [1 - ``cliprange_low``, 1 + ``cliprange_high``]."""
-        return LossSettings(clip_low=self.cliprange_low, clip_high=self.cliprange_high, dual_clip=self.dual_clip)
+        return LossSettings(clip_low=self.cliprange_low, clip_high=self.cliprange_high, dual_clip=self.dual_clip,
+                            rollout_correction=self.rollout_correction)  # fmt: skip
 
     def _check_batches(self) -> None:
         """The batch sizes divide as the minibatches and micro-batches need; ``dual_clip`` suits ``policy_loss``."""
@@ -612,6 +608,8 @@ class GRPOConfig(GroupSamplingConfig):
                 f"reinforce_pp estimators): {_kl_in_reward_reason(self.kl_estimator)}, and the one used when "
                 "kl_estimator is left out; to use k3, put the KL in the loss with kl_in_reward false"
             )
+        if self.kl_estimator == ("k1" if self.kl_as_reward else "k3"):  # the default, stored one way: as None
+            self.kl_estimator = None
         return self
 
 
@@ -1128,6 +1126,34 @@ class JobSpec(_Strict):
     def config(self) -> TrainConfig:
         """The typed hyperparameters of this job type."""
         return HYPERPARAMETERS[self.type].model_validate(self.hyperparameters)
+
+
+def upgraded_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A job spec as an earlier version stored it (every default filled in), in this version's terms, and a
+    sentence for each change of what it trains. A stored spec is upgraded rather than refused, so that a queued or
+    paused job still runs and a local run's folder still resumes: migration 0006 upgrades the server's jobs,
+    :func:`engine.core.checkpoint.stored_spec` a folder's ``spec.json``.
+
+    The values this version refuses in a stored spec: ``kl_estimator`` k2 or k3 where the KL is in the reward, a
+    GRPO job's (k3 was the default, so every ``reinforce_pp`` job stored it) and a PPO job's: k1 instead."""
+    hyperparameters = spec.get("hyperparameters")
+    if not isinstance(hyperparameters, dict) or hyperparameters.get("kl_estimator") not in ("k2", "k3"):
+        return spec, []
+    estimator = hyperparameters["kl_estimator"]
+    if spec.get("type") == "grpo":
+        in_reward = hyperparameters.get("kl_in_reward")
+        if not (hyperparameters.get("advantage_estimator", "grpo") in WHITENED if in_reward is None else in_reward):
+            return spec, []
+        upgraded = None  # GRPO's default: k1 in the reward
+    elif spec.get("type") == "ppo":
+        upgraded = "k1"
+    else:
+        return spec, []
+    change = (
+        f"hyperparameters.kl_estimator {estimator} → k1, the KL being part of the reward: "
+        f"{_kl_in_reward_reason(estimator)}"
+    )
+    return {**spec, "hyperparameters": {**hyperparameters, "kl_estimator": upgraded}}, [change]
 
 
 def _listed(names: Iterable[str]) -> str:

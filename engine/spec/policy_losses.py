@@ -2,11 +2,11 @@
 formula (as verl registers its own, verl/trainer/ppo/core_algos.py ``register_policy_loss``), plus the
 truncated importance-sampling correction of the sampler's mismatch.
 
-A loss maps the (n, T) log-probs of the responses under the trained policy (with their graph), the
-log-probs they were sampled with (``old_logprobs``), the advantages and the mask (1.0 on kept tokens) to a loss
-per token, which the caller aggregates over the mask its own way (token mean, sequence mean, constant), and
-where a clip or cap was active (``policy/clipfrac``). Each is tested against a naive per-token loop of its
-paper's formula in tests/engine/test_policy_losses.py.
+A loss maps the (n, T) log-probs of the responses under the trained policy (with their graph) and a
+:class:`LossBatch` (the log-probs they were sampled with, ``old_logprobs``, the advantages and the mask, 1.0 on
+kept tokens) to a loss per token, which the caller aggregates over the mask its own way (token mean, sequence
+mean, constant), and where a clip or cap was active (``policy/clipfrac``). Each is tested against a naive
+per-token loop of its paper's formula in tests/engine/test_policy_losses.py.
 
 Importable without torch: engine/spec/config.py, which the API imports torch-free, checks ``policy_loss`` against
 :data:`POLICY_LOSSES`. So torch is imported for type checking only, and the bodies use tensor methods alone.
@@ -48,19 +48,26 @@ class PolicyLossOut:
     """1.0 where a clip or cap was active (the gradient of the token's ratio cut, or its weight bounded): (n, T)."""
 
 
-class PolicyLoss(Protocol):
-    """A policy loss: ``logprobs`` (n, T) of the responses under the trained policy, with their graph;
-    ``old_logprobs`` (n, T), those the update's data was sampled with; ``advantages`` (n, T); ``mask`` (n, T),
-    1.0 on kept tokens; ``settings``."""
+@dataclass
+class LossBatch:
+    """What a policy loss reads of the update's data besides the trained policy's log-probs, each (n, T)."""
 
-    def __call__(
-        self,
-        logprobs: torch.Tensor,
-        old_logprobs: torch.Tensor,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        settings: LossSettings,
-    ) -> PolicyLossOut: ...
+    old_logprobs: torch.Tensor
+    """The log-probs the data was sampled with (the ratio's denominator)."""
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    """1.0 on kept response tokens."""
+
+    def ratio(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """Each token's ratio π/π_old (n, T), with the graph of ``logprobs``."""
+        return (logprobs - self.old_logprobs).exp()
+
+
+class PolicyLoss(Protocol):
+    """A policy loss: ``logprobs`` (n, T) of the responses under the trained policy, with their graph; ``batch``,
+    the update's data; ``settings``."""
+
+    def __call__(self, logprobs: torch.Tensor, batch: LossBatch, settings: LossSettings) -> PolicyLossOut: ...
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
@@ -97,66 +104,41 @@ def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, settings: 
 
 
 @register("ppo_clip")
-def ppo_clip(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    settings: LossSettings,
-) -> PolicyLossOut:
+def ppo_clip(logprobs: torch.Tensor, batch: LossBatch, settings: LossSettings) -> PolicyLossOut:
     """PPO's clipped surrogate on the token ratio π/π_old (arXiv:1707.06347, eq. 7), optionally dual-clipped."""
-    ratio = (logprobs - old_logprobs).exp()  # (n, T)
-    return _clipped_surrogate(ratio, advantages, settings)
+    return _clipped_surrogate(batch.ratio(logprobs), batch.advantages, settings)
 
 
 @register("importance_sampling")
-def importance_sampling(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    settings: LossSettings,
-) -> PolicyLossOut:
+def importance_sampling(logprobs: torch.Tensor, batch: LossBatch, settings: LossSettings) -> PolicyLossOut:
     """REINFORCE weighted by the unclipped ratio: -π/π_old·A (Tinker's ``importance_sampling`` loss). Nothing is
     clipped: on-policy (one update per batch) it is REINFORCE exactly."""
-    ratio = (logprobs - old_logprobs).exp()  # (n, T)
-    return PolicyLossOut(-advantages * ratio, ratio.new_zeros(ratio.shape))
+    ratio = batch.ratio(logprobs)  # (n, T)
+    return PolicyLossOut(-batch.advantages * ratio, ratio.new_zeros(ratio.shape))
 
 
 @register("cispo")
-def cispo(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    settings: LossSettings,
-) -> PolicyLossOut:
+def cispo(logprobs: torch.Tensor, batch: LossBatch, settings: LossSettings) -> PolicyLossOut:
     """CISPO (MiniMax-M1, arXiv:2506.13585): -sg(clip(π/π_old, 1 - clip_low, 1 + clip_high))·A·log π. The
     importance weight is clipped and detached, the gradient of log π flows on every token: none is dropped, as
     PPO's clip drops the tokens whose ratio left the range."""
-    ratio = (logprobs - old_logprobs).exp()  # (n, T)
+    ratio = batch.ratio(logprobs)  # (n, T)
     weight = ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high).detach()
     clipped = ((ratio < 1.0 - settings.clip_low) | (ratio > 1.0 + settings.clip_high)).float()
-    return PolicyLossOut(-weight * advantages * logprobs, clipped)
+    return PolicyLossOut(-weight * batch.advantages * logprobs, clipped)
 
 
 @register("gspo")
-def gspo(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    settings: LossSettings,
-) -> PolicyLossOut:
+def gspo(logprobs: torch.Tensor, batch: LossBatch, settings: LossSettings) -> PolicyLossOut:
     """GSPO (Qwen, arXiv:2507.18071), the GSPO-token form: the sequence's ratio s_i = exp(mean over
     its kept tokens of log π/π_old), carried by each token as s_i,t = sg(s_i)·π_t/sg(π_t), so every token of a
     sequence has the same ratio and the gradient of s_i; then clipped as PPO's (and optionally dual-clipped). The
     paper's clip ranges are tiny, 3e-4 below and 4e-4 above (the sequence ratio moves far less than a token's),
     and its loss the mean over sequences (``loss_aggregation: sequence_mean``)."""
-    log_ratio = (logprobs - old_logprobs) * mask  # (n, T)
-    sequence_log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (n, 1)
+    log_ratio = (logprobs - batch.old_logprobs) * batch.mask  # (n, T)
+    sequence_log_ratio = log_ratio.sum(1, keepdim=True) / batch.mask.sum(1, keepdim=True).clamp(min=1)  # (n, 1)
     ratio = (sequence_log_ratio.detach() + logprobs - logprobs.detach()).exp()  # (n, T)
-    return _clipped_surrogate(ratio, advantages, settings)
+    return _clipped_surrogate(ratio, batch.advantages, settings)
 
 
 def rollout_correction(

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from engine import cli
+from engine.builtin import digits
 from engine.core.checkpoint import JOB_FILE, SPEC_FILE, check_same_spec, list_checkpoints
 from engine.spec.config import JobSpec
 from tests.engine.helpers import make_spec, train
@@ -191,3 +192,25 @@ def test_a_folder_without_a_stored_spec_resumes(tmp_path):
     train(make_spec("sft", hyperparameters=TWO_STEPS), out, Recorder(stop_after=1))
     (out / SPEC_FILE).unlink()
     check_same_spec(out, make_spec("sft", hyperparameters={**TWO_STEPS, "max_steps": 3}))
+
+
+def test_a_grpo_folder_stored_with_k3_in_the_reward_resumes_upgraded(tmp_path):
+    """An earlier version filled GRPO's kl_estimator in as k3, which this version refuses where the KL is in the
+    reward (reinforce_pp's default): the folder's stored spec is upgraded to k1 there, compares equal to the same
+    spec given now, and what changed is reported."""
+    out = tmp_path / "job"
+    spec = JobSpec.model_validate(
+        {
+            "type": "grpo",
+            "model": "builtin:tiny",
+            "dataset": "builtin:digits-prompts",
+            "reward": digits.GRADER,
+            "hyperparameters": {"advantage_estimator": "reinforce_pp"},
+        }
+    )
+    out.mkdir()
+    stored = spec.model_dump(mode="json")
+    stored["hyperparameters"]["kl_estimator"] = "k3"
+    (out / JOB_FILE).write_text(json.dumps({"status": "running", "spec": stored}))
+    changes = check_same_spec(out, spec)
+    assert len(changes) == 1 and changes[0].startswith("hyperparameters.kl_estimator k3 → k1"), changes

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ValidationError
 from engine.builtin import digits
 from engine.spec.config import (
     HYPERPARAMETERS,
+    DistillConfig,
     GRPOConfig,
     JobSpec,
     LoraSpec,
@@ -17,6 +18,7 @@ from engine.spec.config import (
     TrackingSpec,
     TrainConfig,
     format_errors,
+    upgraded_spec,
 )
 from engine.spec.policy_losses import POLICY_LOSSES, LossSettings
 
@@ -275,6 +277,65 @@ def test_a_stored_grpo_spec_validates_again() -> None:
     assert isinstance(again, GRPOConfig) and again.kl_term_estimator == "k1"
 
 
+@pytest.mark.parametrize(
+    ("options", "stored"),
+    [
+        ({"kl_estimator": "k3"}, None),  # GRPO's default as a loss term
+        ({"advantage_estimator": "reinforce_pp", "kl_estimator": "k1"}, None),  # the default in the reward
+        ({"kl_estimator": "k2"}, "k2"),
+        ({"kl_in_reward": False, "advantage_estimator": "reinforce_pp", "kl_estimator": "k3"}, None),
+        ({"kl_estimator": "k1"}, "k1"),  # k1 as a loss term is not the default: kept (and warned about)
+    ],
+)
+def test_grpo_stores_the_default_kl_estimator_one_way(options: dict[str, Any], stored: str | None) -> None:
+    """An estimator given that equals the default for where the KL enters is stored as None, so that a spec stored
+    by an earlier version (k3 filled in) and the same spec now compare equal (a local run resumes)."""
+    assert GRPOConfig(**options).kl_estimator == stored
+
+
+def _grpo_stored(**hyperparameters: Any) -> dict[str, Any]:
+    data = {"type": "grpo", "model": "builtin:tiny", "dataset": "builtin:digits-prompts", "reward": digits.GRADER,
+            "hyperparameters": hyperparameters}  # fmt: skip
+    return data
+
+
+@pytest.mark.parametrize(
+    ("spec", "upgraded"),
+    [
+        (_grpo_stored(advantage_estimator="reinforce_pp", kl_estimator="k3"), None),  # k3 was GRPO's default
+        (_grpo_stored(advantage_estimator="reinforce_pp_baseline", kl_estimator="k2"), None),
+        (_grpo_stored(kl_in_reward=True, kl_estimator="k3"), None),
+        (_spec("ppo", hyperparameters={"kl_estimator": "k3"}), "k1"),  # the earlier PPO took k1 or k3
+    ],
+)
+def test_a_spec_stored_with_k3_in_the_reward_is_upgraded_to_k1(spec: dict[str, Any], upgraded: str | None) -> None:
+    with pytest.raises(ValidationError, match=r"with the KL in the reward|PPO's KL is part of its reward"):
+        JobSpec.model_validate(spec)  # what made a stored job fail when it resumed
+    new, changes = upgraded_spec(spec)
+    assert new["hyperparameters"]["kl_estimator"] == upgraded
+    assert len(changes) == 1 and changes[0].startswith(
+        f"hyperparameters.kl_estimator {spec['hyperparameters']['kl_estimator']} → k1"
+    )
+    config = JobSpec.model_validate(new).config
+    assert getattr(config, "kl_term_estimator", "k1") == "k1"
+    assert spec["hyperparameters"]["kl_estimator"] in ("k2", "k3"), "the stored spec itself is left as it was"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        _grpo_stored(kl_estimator="k3"),  # a loss term: k3 is accepted
+        _grpo_stored(advantage_estimator="reinforce_pp", kl_in_reward=False, kl_estimator="k2"),
+        _grpo_stored(advantage_estimator="reinforce_pp", kl_estimator=None),
+        _spec("ppo", hyperparameters={"kl_estimator": "k1"}),
+        _spec("sft"),
+    ],
+)
+def test_a_spec_this_version_accepts_is_not_upgraded(spec: dict[str, Any]) -> None:
+    assert upgraded_spec(spec) == (spec, [])
+    JobSpec.model_validate(spec)
+
+
 # --- filled-in defaults and the typed config --------------------------------------------------
 
 
@@ -343,6 +404,17 @@ def test_dual_clip_is_above_one_and_only_for_the_clipped_surrogates(cls):
     for name in ("importance_sampling", "cispo"):
         message = _error(cls, {"policy_loss": name, "dual_clip": 3.0})
         assert message == f"spec: dual_clip applies to policy_loss ppo_clip and gspo only, not {name}", message
+
+
+@pytest.mark.parametrize("cls", [PPOConfig, GRPOConfig, DistillConfig])
+def test_rollout_correction_is_a_cap_above_one(cls):
+    assert cls().rollout_correction is None and cls().loss_settings.rollout_correction is None
+    assert cls.model_validate({"rollout_correction": 2.0}).loss_settings.rollout_correction == 2.0
+    for value in (1.0, 0.5):
+        message = _error(cls, {"rollout_correction": value})
+        assert message == "rollout_correction: Input should be greater than 1", message
+    message = _error(cls, {"rollout_correction": 1000.0})
+    assert message == "rollout_correction: Input should be less than or equal to 100", message
 
 
 def test_policy_loss_refusals_in_a_job_spec_name_the_field():

@@ -245,6 +245,27 @@ def test_torch_compile_gives_the_eager_update(digits_sft: Path, tmp_path) -> Non
                        final_model_dir(tmp_path / "compiled"))  # fmt: skip
 
 
+def test_rollout_correction_with_an_exact_sampler_makes_the_uncorrected_update(digits_sft: Path, tmp_path) -> None:
+    """On the CPU the sampler computes the training pass's numbers: with ``rollout_correction`` the trainer's
+    recomputed log-probs are the sampler's up to rounding (``rollout/logprob_gap`` ~0), no weight reaches the cap,
+    and the run moves the weights as the uncorrected one does (two passes: the second is off-policy)."""
+    runs = {}
+    for name, cap in (("plain", None), ("corrected", 2.0)):
+        hyperparameters = {"num_iterations": 2, "rollout_correction": cap}
+        result, runs[name] = train(grpo_spec(digits_sft, hyperparameters=hyperparameters), tmp_path / name)
+        assert (result.status, result.step) == ("succeeded", 2)
+    for step in (1, 2):
+        corrected, plain = runs["corrected"].metrics[step], runs["plain"].metrics[step]
+        assert corrected["rollout/logprob_gap"] < 1e-5
+        assert corrected["rollout/correction_capped_fraction"] == 0.0
+        assert "rollout/logprob_gap" not in plain and "rollout/correction_capped_fraction" not in plain
+        assert corrected["reward/mean"] == plain["reward/mean"]  # the same samples
+        for metric in ("loss/policy", "loss/kl", "policy/approxkl", "objective/kl"):
+            assert corrected[metric] == pytest.approx(plain[metric], rel=1e-3, abs=1e-6), (step, metric)
+    assert_same_update(final_model_dir(digits_sft), final_model_dir(tmp_path / "plain"),
+                       final_model_dir(tmp_path / "corrected"))  # fmt: skip
+
+
 # 5. ---------------------------------------------------------------------------------------------------------
 
 

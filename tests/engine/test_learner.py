@@ -13,7 +13,7 @@ from engine.core.loop import make_optimizer, make_scheduler
 from engine.core.models import load_causal_lm, load_tokenizer, token_logprobs
 from engine.core.ops import kl_per_token
 from engine.spec.config import SFTConfig
-from engine.spec.policy_losses import LossSettings
+from engine.spec.policy_losses import POLICY_LOSSES, LossSettings
 
 P, T, N = 4, 5, 6
 
@@ -129,3 +129,39 @@ def test_run_updates_refuses_a_non_finite_loss(learner: Learner) -> None:
 
     with pytest.raises(NonFiniteLossError):
         run_updates(learner, 2, 2, 1, torch.Generator(), lambda inds, u: {"pg": math.nan}, ("pg",), 3)
+
+
+@pytest.mark.parametrize("name", list(POLICY_LOSSES))
+def test_rollout_correction_weights_each_tokens_policy_loss(learner: Learner, name: str) -> None:
+    """With ``rollout_correction`` C, forward_backward's policy loss (and its gradient) is the naive sum over the
+    kept tokens of min(π_old/π_sampler, C) × the token's loss, over the kept token count, for every loss."""
+    tokens, inputs = batch()
+    cap = 1.5
+    sampler = (inputs.old_logprobs + 0.5 * torch.randn(N, T, generator=torch.Generator().manual_seed(1))) * inputs.mask
+    inputs.sampler_logprobs = sampler
+    objective = Objective(name, LossSettings(0.2, 0.2, rollout_correction=cap))
+    stats = learner.forward_backward(tokens, objective, inputs)
+    grad = gradients(learner).clone()
+    learner.model.zero_grad(set_to_none=True)
+
+    logprobs, _ = token_logprobs(learner.model, tokens.query_responses, tokens.attention_mask, P)
+    per_token = POLICY_LOSSES[name](logprobs, inputs, LossSettings(0.2, 0.2)).per_token
+    total, capped = torch.zeros(()), 0
+    for i in range(N):
+        for t in range(T):
+            if inputs.mask[i, t] == 1:
+                ratio = math.exp(inputs.old_logprobs[i, t].item() - sampler[i, t].item())  # π_old / π_sampler
+                total = total + min(ratio, cap) * per_token[i, t]
+                capped += ratio > cap
+    expected = total / inputs.mask.sum()
+    expected.backward()
+    assert stats["pg"].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(grad, gradients(learner), rtol=1e-5, atol=1e-7)
+    assert 0 < capped < inputs.mask.sum()  # some weights capped, some not
+
+
+def test_rollout_correction_needs_the_samplers_logprobs(learner: Learner) -> None:
+    tokens, inputs = batch()
+    objective = Objective("ppo_clip", LossSettings(0.2, 0.2, rollout_correction=2.0))
+    with pytest.raises(ValueError, match="needs the sampler's log-probs"):
+        learner.forward_backward(tokens, objective, inputs)

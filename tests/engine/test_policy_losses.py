@@ -18,7 +18,7 @@ from engine.demo import TASKS, evaluate_policy
 from engine.methods.grpo import clipped_surrogate
 from engine.methods.ppo import policy_loss
 from engine.spec.config import JobSpec
-from engine.spec.policy_losses import POLICY_LOSSES, LossSettings, PolicyLossOut, rollout_correction
+from engine.spec.policy_losses import POLICY_LOSSES, LossBatch, LossSettings, PolicyLossOut, rollout_correction
 from tests.engine.helpers import train
 from tests.models import write_jsonl
 
@@ -132,7 +132,7 @@ def test_policy_losses_import_without_torch() -> None:
 )
 def test_clipped_surrogates(name: str, low: float, high: float, dual_clip: float | None, scale: float) -> None:
     logprobs, old, adv = _inputs(scale)
-    out = POLICY_LOSSES[name](logprobs, old, adv, _mask(), LossSettings(low, high, dual_clip=dual_clip))
+    out = POLICY_LOSSES[name](logprobs, LossBatch(old, adv, _mask()), LossSettings(low, high, dual_clip=dual_clip))
     capped = 0
 
     def naive(i: int, leaves: list[Scalar]) -> tuple[list[Scalar], list[bool]]:
@@ -149,7 +149,7 @@ def test_clipped_surrogates(name: str, low: float, high: float, dual_clip: float
 
 def test_importance_sampling_is_reinforce_weighted_by_the_ratio() -> None:
     logprobs, old, adv = _inputs()
-    out = POLICY_LOSSES["importance_sampling"](logprobs, old, adv, _mask(), LossSettings(0.2, 0.2))
+    out = POLICY_LOSSES["importance_sampling"](logprobs, LossBatch(old, adv, _mask()), LossSettings(0.2, 0.2))
 
     def naive(i: int, leaves: list[Scalar]) -> tuple[list[Scalar], list[bool]]:
         ratios = _token_ratios(old[i].tolist(), leaves)
@@ -161,7 +161,7 @@ def test_importance_sampling_is_reinforce_weighted_by_the_ratio() -> None:
 @pytest.mark.parametrize(("low", "high"), [(0.2, 0.28), (0.99, 0.1)])
 def test_cispo_weights_every_tokens_log_prob_by_its_clipped_ratio(low: float, high: float) -> None:
     logprobs, old, adv = _inputs()
-    out = POLICY_LOSSES["cispo"](logprobs, old, adv, _mask(), LossSettings(low, high))
+    out = POLICY_LOSSES["cispo"](logprobs, LossBatch(old, adv, _mask()), LossSettings(low, high))
 
     def naive(i: int, leaves: list[Scalar]) -> tuple[list[Scalar], list[bool]]:
         losses, flags = [], []
@@ -183,7 +183,7 @@ def test_gspo_token_has_the_gradient_of_the_sequence_level_objective() -> None:
     adv = _randn(5)[:, :1].expand(-1, T).contiguous()
     mask = _mask()
     low, high = 0.05, 0.05
-    out = POLICY_LOSSES["gspo"](logprobs, old, adv, mask, LossSettings(low, high))
+    out = POLICY_LOSSES["gspo"](logprobs, LossBatch(old, adv, mask), LossSettings(low, high))
     sequence_mean = ((out.per_token * mask).sum(1) / mask.sum(1)).sum() / len(LENGTHS)
     (grad,) = torch.autograd.grad(sequence_mean, logprobs)
     for i, n in enumerate(LENGTHS):
@@ -198,9 +198,9 @@ def test_gspo_token_has_the_gradient_of_the_sequence_level_objective() -> None:
 def test_masked_tokens_change_no_kept_tokens_loss(name: str) -> None:
     logprobs, old, adv = _inputs()
     mask = _mask()
-    out = POLICY_LOSSES[name](logprobs, old, adv, mask, LossSettings(0.2, 0.2))
+    out = POLICY_LOSSES[name](logprobs, LossBatch(old, adv, mask), LossSettings(0.2, 0.2))
     noise = _randn(7) * (1 - mask)  # on the masked tokens only
-    moved = POLICY_LOSSES[name](logprobs + noise, old - noise, adv + noise, mask, LossSettings(0.2, 0.2))
+    moved = POLICY_LOSSES[name](logprobs + noise, LossBatch(old - noise, adv + noise, mask), LossSettings(0.2, 0.2))
     kept = mask.bool()
     assert torch.equal(out.per_token[kept], moved.per_token[kept])
     assert torch.equal(out.clipped[kept], moved.clipped[kept])
@@ -212,7 +212,7 @@ def test_on_policy_every_loss_has_reinforces_gradient(name: str) -> None:
     old = -_randn(1).abs() - 0.1
     logprobs = old.clone().requires_grad_()
     adv, w = _randn(3), _weights()
-    out = POLICY_LOSSES[name](logprobs, old, adv, _mask(), LossSettings(0.2, 0.2, rollout_correction=2.0))
+    out = POLICY_LOSSES[name](logprobs, LossBatch(old, adv, _mask()), LossSettings(0.2, 0.2, rollout_correction=2.0))
     (grad,) = torch.autograd.grad((out.per_token * w).sum(), logprobs)
     torch.testing.assert_close(grad, -adv * w, rtol=1e-12, atol=1e-15)
     assert out.clipped.sum() == 0
@@ -222,7 +222,7 @@ def test_rollout_correction_weights_each_token_by_the_truncated_sampler_ratio() 
     logprobs, old, adv = _inputs()
     sampler = old + _randn(8, 0.5)
     cap = 1.5
-    loss = POLICY_LOSSES["ppo_clip"](logprobs, old, adv, _mask(), LossSettings(0.2, 0.2)).per_token
+    loss = POLICY_LOSSES["ppo_clip"](logprobs, LossBatch(old, adv, _mask()), LossSettings(0.2, 0.2)).per_token
     weighted, capped = rollout_correction(loss, old, sampler, cap)
     w = _weights()
     (grad,) = torch.autograd.grad((weighted * w).sum(), logprobs, retain_graph=True)
@@ -245,7 +245,7 @@ def test_ppo_clip_equals_grpos_clipped_surrogate(low: float, high: float) -> Non
     for dtype in (torch.float32, torch.float64):
         logprobs, old, adv = (x.detach().to(dtype) for x in _inputs())
         logprobs.requires_grad_()
-        out = POLICY_LOSSES["ppo_clip"](logprobs, old, adv, _mask().to(dtype), LossSettings(low, high))
+        out = POLICY_LOSSES["ppo_clip"](logprobs, LossBatch(old, adv, _mask().to(dtype)), LossSettings(low, high))
         loss, clipped = clipped_surrogate(logprobs, old, adv, low, high)
         assert torch.equal(out.per_token, loss) and torch.equal(out.clipped, clipped)
         (g_out,) = torch.autograd.grad(out.per_token.sum(), logprobs)
@@ -258,7 +258,7 @@ def test_ppo_clip_token_mean_equals_ppos_policy_loss() -> None:
     logprobs.requires_grad_()
     mask = _mask().float()
     n_tokens = mask.sum()
-    out = POLICY_LOSSES["ppo_clip"](logprobs, old, adv, mask, LossSettings(0.2, 0.2))
+    out = POLICY_LOSSES["ppo_clip"](logprobs, LossBatch(old, adv, mask), LossSettings(0.2, 0.2))
     pg_loss = (out.per_token * mask).sum() / n_tokens
     reference = policy_loss(logprobs, old, adv, mask, 0.2, n_tokens)
     assert torch.equal(pg_loss, reference.pg_loss)

@@ -77,6 +77,15 @@ def test_training_forward_matches_the_rollout(tmp_path, pretrained):
     assert first["val/clipfrac"] == 0
 
 
+def test_rollout_correction_reports_the_sync_check(tmp_path, pretrained):
+    """With ``rollout_correction`` the rollout takes the trainer's log-probs again: on the CPU they are the
+    sampler's up to rounding, so the gap is about 0 and no token's weight reaches the cap."""
+    _, rec = _run(tmp_path, pretrained, total_steps=2, rollout_correction=2.0)
+    for metrics in rec.metrics.values():
+        assert metrics["rollout/logprob_gap"] < 1e-5
+        assert metrics["rollout/correction_capped_fraction"] == 0.0
+
+
 def test_value_model_checkpointed_next_to_policy(tmp_path, pretrained):
     _run(tmp_path, pretrained, total_steps=1)
     policy, value = final_model_dir(tmp_path / "job"), final_model_dir(tmp_path / "job", "value")

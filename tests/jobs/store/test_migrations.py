@@ -1,5 +1,6 @@
 """The Alembic migrations build exactly the schema the models declare, on SQLite and on PostgreSQL."""
 
+import json
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -10,6 +11,8 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
+from engine.builtin import digits
+from engine.spec.config import JobSpec
 from jobs.store import db, migrate
 from jobs.store.models import Base
 from jobs.store.settings import Settings
@@ -122,7 +125,7 @@ def test_0005_adds_sent_at_pipeline_keys_and_dependencies_and_downgrades(bare_ur
             connection.execute(insert_job, {"id": "job_old", "key": "k", "now": now})
         engine.dispose()
 
-        migrate.upgrade(bare_url)
+        migrate.upgrade(bare_url, "0005")
         assert query(engine, "SELECT version_num FROM alembic_version") == [("0005",)]
         assert {"sent_at", "pipeline_key", "stage"} <= jobs_columns(engine)
         assert query(engine, "SELECT id, sent_at, pipeline_key FROM jobs") == [("job_old", None, None)]  # sent again
@@ -147,5 +150,62 @@ def test_0005_adds_sent_at_pipeline_keys_and_dependencies_and_downgrades(bare_ur
 
         migrate.upgrade(bare_url)  # and up again
         assert query(engine, "SELECT count(*) FROM job_dependencies") == [(0,)]
+    finally:
+        engine.dispose()
+
+
+def test_0006_upgrades_stored_kl_estimators_with_a_warning_for_unfinished_jobs(bare_url: str) -> None:
+    """A spec an earlier version stored with k3 in the reward (GRPO's default then) validates after 0006."""
+    migrate.upgrade(bare_url, "0005")
+    engine = db.make_engine(bare_url)
+    grpo = {"type": "grpo", "model": "builtin:tiny", "dataset": "builtin:digits-prompts", "reward": digits.GRADER}
+    specs = {
+        "job_paused": {**grpo, "hyperparameters": {"advantage_estimator": "reinforce_pp", "kl_estimator": "k3"}},
+        "job_done": {**grpo, "hyperparameters": {"kl_in_reward": True, "kl_estimator": "k2"}},
+        "job_term": {**grpo, "hyperparameters": {"kl_estimator": "k3"}},  # k3 as a loss term: accepted
+        "job_ppo": {
+            "type": "ppo",
+            "model": "builtin:tiny",
+            "dataset": "builtin:reviews-prompts",
+            "reward_model": "builtin:tiny",
+            "hyperparameters": {"kl_estimator": "k3"},
+        },
+    }
+    statuses = {"job_paused": "paused", "job_done": "succeeded", "job_term": "queued", "job_ppo": "running"}
+    insert_job = sa.text(
+        "INSERT INTO jobs (id, project_id, type, status, spec, attempt, step, latest_metrics, created_at, "
+        "updated_at) VALUES (:id, 'p', :type, :status, :spec, 1, 0, '{}', :now, :now)"
+    )
+    try:
+        now = datetime.now(UTC)
+        with engine.begin() as connection:
+            connection.execute(
+                sa.text("INSERT INTO projects (id, name, created_at) VALUES ('p', 'test', :now)"), {"now": now}
+            )
+            for job_id, spec in specs.items():
+                values = {"id": job_id, "type": spec["type"], "status": statuses[job_id], "now": now}
+                connection.execute(insert_job, {**values, "spec": json.dumps(spec)})
+        engine.dispose()
+
+        migrate.upgrade(bare_url)
+        assert query(engine, "SELECT version_num FROM alembic_version") == [("0006",)]
+        stored = {job_id: json.loads(spec) for job_id, spec in query(engine, "SELECT id, CAST(spec AS TEXT) FROM jobs")}
+        assert {job_id: spec["hyperparameters"]["kl_estimator"] for job_id, spec in stored.items()} == {
+            "job_paused": None,
+            "job_done": None,
+            "job_term": "k3",
+            "job_ppo": "k1",
+        }
+        for spec in stored.values():
+            JobSpec.model_validate(spec)  # what failed when such a job resumed
+        events = query(engine, "SELECT job_id, kind, CAST(data AS TEXT) FROM events ORDER BY job_id")
+        assert [(job_id, kind) for job_id, kind, _ in events] == [("job_paused", "warning"), ("job_ppo", "warning")]
+        assert all(json.loads(data)["reason"] == "spec_upgraded" for _, _, data in events)
+        engine.dispose()
+
+        command.downgrade(migrate.alembic_config(bare_url), "0005")  # null is read by 0005's code as what it meant
+        stored = {job_id: json.loads(spec) for job_id, spec in query(engine, "SELECT id, CAST(spec AS TEXT) FROM jobs")}
+        assert stored["job_paused"]["hyperparameters"]["kl_estimator"] == "k1"
+        assert stored["job_term"]["hyperparameters"]["kl_estimator"] == "k3"
     finally:
         engine.dispose()
