@@ -5,7 +5,7 @@ PPO's critic with the scorer of its reward.
 
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -29,13 +29,14 @@ from engine.core.rollout import Rollout, Scorer, decode_responses, merged, roll_
 from engine.rewards.function import RewardFunction, eval_metrics, grader_scorer, samples_of
 from engine.rewards.graders import ModelGrader, RewardScores, Samples
 from engine.rewards.reward_model import same_vocabulary
-from engine.spec.config import DistillConfig, GroupSamplingConfig, GRPOConfig, JobSpec, PPOConfig, SamplingConfig
+from engine.spec.config import GroupSamplingConfig, JobSpec, PPOConfig, SamplingConfig
 
 Reward = Callable[[Samples, Sequence[bool]], RewardScores]
 """A reward of graders (:class:`engine.rewards.function.RewardFunction`)."""
 
 
-OnlineConfig = TypeVar("OnlineConfig", PPOConfig, GRPOConfig, DistillConfig)
+OnlineConfig = PPOConfig | GroupSamplingConfig
+"""The configs of the online methods (PPO; GRPO and its relatives, distillation): what :func:`open_policy` reads."""
 
 
 def open_policy(
@@ -45,11 +46,12 @@ def open_policy(
     prompt_rows: list[dict[str, Any]],
     reference: bool,
     rows_per_rollout: int,
-) -> tuple[Learner, OnlineConfig]:
+) -> tuple[Learner, int]:
     """The :class:`Learner` of an online method's policy: the trained policy (restored when resuming), its
     reference when ``reference`` (a frozen copy of the starting policy; with LoRA the policy with its adapters off),
-    its stop tokens, and the job's compiled decoder for ``rows_per_rollout`` samples at a time (CUDA only); and
-    ``cfg`` with ``max_prompt_length`` sized from ``prompt_rows`` and the model's context where it was null."""
+    its stop tokens, and the job's compiled decoder for ``rows_per_rollout`` samples at a time (CUDA only); and the
+    prompt length the job keeps: ``max_prompt_length``, sized from ``prompt_rows`` and the model's context where it
+    is null."""
     spec, tokenizer = run.spec, run.tokenizer
 
     def causal_lm(ref: str) -> PreTrainedModel:
@@ -60,7 +62,6 @@ def open_policy(
     if reference:
         ref_policy = frozen(causal_lm(spec.model)) if spec.lora is None else "base"
     limit = run.prompt_length(cfg.max_prompt_length, cfg.response_length, policy, prompt_rows)
-    cfg = cfg.model_copy(update={"max_prompt_length": limit})
     check_fits(policy, limit + cfg.response_length, "max_prompt_length + response_length")
     stop_token_ids = resolve_stop_token(cfg.stop_token, policy, tokenizer)  # (): responses run to response_length
     sampling = Sampling(cfg.response_length, cfg.temperature, cfg.top_k, stop_token_ids)
@@ -69,7 +70,7 @@ def open_policy(
     if decoder is not None:
         run.at_end(decoder.close)
     learner = Learner(policy, run.ranks, sampling, cfg.mini_batch_size, ref_policy, cfg.torch_compile, decoder)
-    return learner, cfg
+    return learner, limit
 
 
 @torch.inference_mode()

@@ -80,9 +80,10 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
     # Models: the trained student, and the frozen teacher as its reference (the rollout takes its log-probs).
     # Rewards, when given: the graders, their reward models loaded once.
     G = cfg.group_size  # samples per prompt
-    learner, cfg = open_policy(run, cfg, device, [*rows, *eval_rows], False, cfg.batch_size * G)
+    learner, prompt_length = open_policy(run, cfg, device, [*rows, *eval_rows], False, cfg.batch_size * G)
+    cfg = cfg.model_copy(update={"max_prompt_length": prompt_length})  # sized from the prompts where null
     teacher = frozen(prepare(load_causal_lm(spec.teacher, tokenizer, spec.seed), device, cfg.dtype, False))
-    longest = (cfg.max_prompt_length or 0) + cfg.response_length  # max_prompt_length: sized by open_policy
+    longest = prompt_length + cfg.response_length
     check_fits(teacher, longest, "max_prompt_length + response_length, in the teacher")
     learner.reference = teacher
     stop_token_ids = learner.sampling.stop_token_ids

@@ -52,7 +52,8 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
     # Models: the trained policy, its frozen reference (none when kl_coef is 0). Rewards: the graders, their
     # reward models loaded once.
     G = cfg.group_size  # samples per prompt
-    learner, cfg = open_policy(run, cfg, device, [*rows, *eval_rows], cfg.kl_coef > 0, cfg.batch_size * G)
+    learner, prompt_length = open_policy(run, cfg, device, [*rows, *eval_rows], cfg.kl_coef > 0, cfg.batch_size * G)
+    cfg = cfg.model_copy(update={"max_prompt_length": prompt_length})  # sized from the prompts where null
     if cfg.k1_loss_term:  # accepted, but it does not pull towards the reference
         callbacks.on_event("warning", K1_LOSS_TERM_WARNING, {"reason": "k1_loss_term"})
     reward = RewardFunction(spec.reward_grader, tokenizer, device, cfg.dtype, callbacks.should_stop)

@@ -79,7 +79,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
 
     # Models: the trained policy and its frozen reference (the starting policy), the critic and the reward
     # (:func:`open_critic`)
-    learner, cfg = open_policy(run, cfg, device, [*prompt_rows, *eval_rows], True, cfg.batch_size)
+    learner, prompt_length = open_policy(run, cfg, device, [*prompt_rows, *eval_rows], True, cfg.batch_size)
+    cfg = cfg.model_copy(update={"max_prompt_length": prompt_length})  # sized from the prompts where null
     value_model, scorer = critic_and_scorer(run, cfg, device, learner.sampling.stop_token_ids)
     stop_token_ids = learner.sampling.stop_token_ids
     eval_reward = RewardFunction.of(spec.eval_reward, tokenizer, device, cfg.dtype, callbacks.should_stop)
