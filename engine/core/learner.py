@@ -59,7 +59,7 @@ class Objective:
     """β of a KL-to-the-reference loss term (0: none)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy: bool = False
-    """Whether to measure the entropy of the policy (``ent``)."""
+    """Whether to measure the entropy of the policy (``entropy``)."""
     entropy_coef: float = 0.0
     """The entropy bonus's weight in the loss (0: measured only)."""
 
@@ -92,8 +92,10 @@ def chunks(n: int, size: int) -> list[slice]:
 @torch.inference_mode()
 def sequence_logprobs(model: torch.nn.Module, batch: Tokens, temperature: float, chunk_size: int) -> torch.Tensor:
     """Log-probs (N, T) of ``batch``'s response tokens under ``model``, ``chunk_size`` rows per forward."""
-    qr, am, P = batch.query_responses, batch.attention_mask, batch.context_length
-    return torch.cat([token_logprobs(model, qr[c], am[c], P, temperature)[0] for c in chunks(len(batch), chunk_size)])
+    ids, attention, P = batch.query_responses, batch.attention_mask, batch.context_length
+    return torch.cat(
+        [token_logprobs(model, ids[c], attention[c], P, temperature)[0] for c in chunks(len(batch), chunk_size)]
+    )
 
 
 def completion_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -191,17 +193,23 @@ class Learner:
     ) -> dict[str, torch.Tensor]:
         """One micro-batch: the policy's log-probs of ``batch`` through the trained module, ``objective``'s loss
         (plus β·KL, less the entropy bonus) backpropagated when ``grad`` (gradients accumulate; with several
-        processes they are averaged after the ``last`` micro-batch). Returns the detached statistics: ``pg`` (the
-        policy loss), ``kl`` (the KL term, with one), ``ent`` (the entropy, when measured), ``clip`` (clip
-        fraction), ``akl`` (approx-KL to the sampling policy, ½ E[log ratio²]), each this micro-batch's share of
+        processes they are averaged after the ``last`` micro-batch). Returns the detached statistics: ``policy`` (the
+        policy loss), ``kl`` (the KL term, with one), ``entropy`` (the entropy, when measured), ``clipfrac`` (clip
+        fraction), ``approx_kl`` (approx-KL to the sampling policy, ½ E[log ratio²]), each this micro-batch's share of
         the minibatch's. With the settings' ``rollout_correction``, each token's policy loss is weighted by its
         truncated importance weight (:func:`engine.spec.policy_losses.rollout_correction`) before the aggregation."""
         mask, n_tokens = inputs.mask, inputs.n_tokens
         entropy_in_loss = grad and objective.entropy_coef > 0
-        qr, am, P = batch.query_responses, batch.attention_mask, batch.context_length
+        ids, attention, P = batch.query_responses, batch.attention_mask, batch.context_length
         with self.ranks.no_sync(self.trained, last), torch.set_grad_enabled(grad):
             logprobs, token_entropy = token_logprobs(
-                self.trained, qr, am, P, self.temperature, entropy=objective.entropy, entropy_grad=entropy_in_loss
+                self.trained,
+                ids,
+                attention,
+                P,
+                self.temperature,
+                entropy=objective.entropy,
+                entropy_grad=entropy_in_loss,
             )
             out = POLICY_LOSSES[objective.loss](logprobs, inputs, objective.settings)
             per_token, cap = out.per_token, objective.settings.rollout_correction
@@ -211,7 +219,7 @@ class Learner:
                 per_token, _ = rollout_correction(per_token, inputs.old_logprobs, inputs.sampler_logprobs, cap)
             pg_loss = aggregate(per_token, mask, objective.aggregation, inputs.n_sequences, n_tokens,
                                 objective.max_tokens)  # fmt: skip
-            loss, stats = pg_loss, {"pg": pg_loss}
+            loss, stats = pg_loss, {"policy": pg_loss}
             if objective.kl_coef > 0:
                 assert inputs.ref_logprobs is not None
                 kl_terms = kl_per_token(logprobs, inputs.ref_logprobs, objective.kl_estimator)
@@ -219,15 +227,15 @@ class Learner:
                                         objective.max_tokens)  # fmt: skip
                 loss = loss + objective.kl_coef * stats["kl"]
             if token_entropy is not None:
-                stats["ent"] = (token_entropy * mask).sum() / n_tokens
+                stats["entropy"] = (token_entropy * mask).sum() / n_tokens
                 if entropy_in_loss:
-                    loss = loss - objective.entropy_coef * stats["ent"]
+                    loss = loss - objective.entropy_coef * stats["entropy"]
             if grad:
                 (loss * self.ranks.loss_scale).backward()
         with torch.no_grad():
             log_ratio = logprobs.detach() - inputs.old_logprobs
-            stats["clip"] = (out.clipped * mask).sum() / n_tokens
-            stats["akl"] = (0.5 * log_ratio**2 * mask).sum() / n_tokens
+            stats["clipfrac"] = (out.clipped * mask).sum() / n_tokens
+            stats["approx_kl"] = (0.5 * log_ratio**2 * mask).sum() / n_tokens
         return {name: value.detach() for name, value in stats.items()}
 
     def sft_backward(self, batch: dict[str, torch.Tensor], n_tokens: int, coef: float = 1.0, last: bool = True) -> (
@@ -345,20 +353,21 @@ def run_updates(
     rank), one :meth:`Learner.optim_step` per minibatch. The ``finite`` statistics' sum must stay finite
     (NonFiniteLossError). With ``limit`` (a statistic and its bound), a minibatch above it ends the passes.
 
-    Returns every minibatch's statistics (``gn``: the gradient norm) and whether the limit cut the passes short."""
+    Returns every minibatch's statistics (``grad_norm``: the gradient norm) and whether the limit cut the passes
+    short."""
     stats: dict[str, list[float]] = {}
     device = learner.model.device
     update = 0
     for _ in range(epochs):
         order = torch.randperm(n_rows, generator=shuffle)
         for first in range(0, n_rows, mini_batch_size):
-            mb = minibatch(order[first : first + mini_batch_size].to(device), update)
-            check_finite("loss", sum(mb[key] for key in finite), step)
-            mb["gn"] = learner.optim_step()
+            update_stats = minibatch(order[first : first + mini_batch_size].to(device), update)
+            check_finite("loss", sum(update_stats[key] for key in finite), step)
+            update_stats["grad_norm"] = learner.optim_step()
             update += 1
-            for key, value in mb.items():
+            for key, value in update_stats.items():
                 stats.setdefault(key, []).append(value)
-            if limit is not None and mb[limit[0]] > limit[1]:
+            if limit is not None and update_stats[limit[0]] > limit[1]:
                 return stats, True
     return stats, False
 

@@ -255,7 +255,7 @@ def open_prompts(
     return run, rows, eval_rows
 
 
-POLICY_STATS = ("pg", "kl", "clip", "akl")
+POLICY_STATS = ("policy", "kl", "clipfrac", "approx_kl")
 """Per-minibatch statistics of a policy update: policy loss, KL loss term, clip fraction, approx-KL."""
 
 
@@ -292,9 +292,9 @@ def update_metrics(
 ) -> dict[str, float]:
     """The metrics every group-sampling step reports of its update, responses and timings."""
     return {
-        "loss/policy": mean(stats["pg"]),
-        "policy/clipfrac": mean(stats["clip"]),
-        "policy/approxkl": mean(stats["akl"]),
+        "loss/policy": mean(stats["policy"]),
+        "policy/clipfrac": mean(stats["clipfrac"]),
+        "policy/approxkl": mean(stats["approx_kl"]),
         "response/length_mean": mask.sum(1).mean().item(),
         "response/eos_fraction": ro.stopped.float().mean().item(),
         "time/rollout_s": t_rollout,
@@ -302,5 +302,5 @@ def update_metrics(
         "time/step_s": elapsed,
         "throughput/tokens_per_s": mask.sum().item() / elapsed,
         "lr": lr,
-        "grad_norm": mean(stats["gn"]),
+        "grad_norm": mean(stats["grad_norm"]),
     }

@@ -192,10 +192,10 @@ def logged_samples(
     policy saw it (its unpadded query tokens, special tokens kept: a chat prompt shows its template), the response
     as graders read it (up to its stop token, special tokens dropped), ``rewards`` by name, the summed log-ratio to
     the reference over the response tokens, and their count (with the stop token)."""
-    qr, am, P = ro.query_responses[:n], ro.attention_mask[:n], ro.context_length
-    mask = am[:, P:]  # (n, T)
-    prompts = [tokenizer.decode(query[kept.bool()]) for query, kept in zip(qr[:, :P], am[:, :P], strict=True)]
-    texts = response_texts(tokenizer, qr[:, P:], mask, stop_token_ids)
+    ids, attention, P = ro.query_responses[:n], ro.attention_mask[:n], ro.context_length
+    mask = attention[:, P:]  # (n, T)
+    prompts = [tokenizer.decode(query[kept.bool()]) for query, kept in zip(ids[:, :P], attention[:, :P], strict=True)]
+    texts = response_texts(tokenizer, ids[:, P:], mask, stop_token_ids)
     kls = ((ro.logprobs[:n] - ro.ref_logprobs[:n]) * mask).sum(1).tolist()  # (n,)
     lengths = mask.sum(1).tolist()  # (n,)
     return [

@@ -134,7 +134,7 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
             cfg.num_iterations,
             rng.shuffle,
             minibatch,
-            finite=("pg",),
+            finite=("policy",),
             step=step,
         )
         lr = learner.schedule()

@@ -98,7 +98,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         learner.model.train()
         minibatch = partial(policy_gradients, learner, ro, advantages, mask, objective, cfg)
         stats, _ = run_updates(learner, len(mask), cfg.mini_batch_size, cfg.num_iterations, rng.shuffle, minibatch,
-                               ("pg", "kl"), step)  # fmt: skip
+                               ("policy", "kl"), step)  # fmt: skip
         lr = learner.schedule()
 
         # 4. metrics, eval, step end

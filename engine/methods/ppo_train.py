@@ -50,7 +50,7 @@ from engine.rewards.function import RewardFunction, gathered
 from engine.rewards.graders import reward_metrics
 from engine.spec.config import JobSpec, PPOConfig
 
-MB_STATS = ("pg", "vf", "clip", "vclip", "akl", "ent", "ptx")
+MINIBATCH_STATS = ("policy", "value", "clipfrac", "value_clipfrac", "approx_kl", "entropy", "ptx")
 """Per-minibatch statistics: policy and value loss, their clip fractions, approx-KL, entropy, ptx loss."""
 
 
@@ -148,9 +148,9 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
 
         first_update = (step - 1) * cfg.ppo_epochs * cfg.num_mini_batches  # counts the ptx batches
         minibatch = partial(ppo_gradients, learner, critic, exp, ptx, first_update, objective, cfg, train_policy)
-        limit = None if cfg.target_approxkl is None else ("akl", cfg.target_approxkl)
+        limit = None if cfg.target_approxkl is None else ("approx_kl", cfg.target_approxkl)
         stats, early_stopped = run_updates(learner, B, cfg.mini_batch_size, cfg.ppo_epochs, rng.shuffle, minibatch,
-                                           ("pg", "vf"), step, limit)  # fmt: skip
+                                           ("policy", "value"), step, limit)  # fmt: skip
         if early_stopped:
             callbacks.on_event("warning", f"step {step}: approx-KL above {cfg.target_approxkl}, epochs cut short")
         lr = learner.schedule()
@@ -240,7 +240,7 @@ def ppo_gradients(
     less the entropy bonus) and the ptx loss on the pretraining rows of update ``first_update + update`` (the
     label count of their whole batch normalising it), both only when ``train_policy``, then the clipped value
     loss. Each is normalised by the token count of the whole
-    minibatch (the ptx loss: of the whole pretraining batch). Returns :data:`MB_STATS` summed over the
+    minibatch (the ptx loss: of the whole pretraining batch). Returns :data:`MINIBATCH_STATS` summed over the
     micro-batches and the ranks; the optimizer step is the caller's.
 
     Policy, ptx and critic losses are backpropagated one after the other (they share no parameters), so only one
@@ -253,9 +253,9 @@ def ppo_gradients(
 
     def micro(part: slice, last: bool) -> dict[str, torch.Tensor]:
         inds = own[part]
-        batch, mk = ro.tokens.rows(inds), mask[inds]
+        batch, kept = ro.tokens.rows(inds), mask[inds]
         sampler = None if ro.sampler_logprobs is None else ro.sampler_logprobs[inds]
-        inputs = LossInputs(ro.logprobs[inds], exp.advantages[inds], mk, len(mb_inds), n_tokens,
+        inputs = LossInputs(ro.logprobs[inds], exp.advantages[inds], kept, len(mb_inds), n_tokens,
                             sampler_logprobs=sampler)  # fmt: skip
         stats = learner.forward_backward(batch, objective, inputs, last, grad=train_policy)
         if ptx is not None:
@@ -265,12 +265,12 @@ def ppo_gradients(
         with ranks.no_sync(critic, last):
             assert ro.values is not None
             vpreds = response_values(critic, batch.query_responses, batch.attention_mask, batch.context_length)
-            vf_loss, vf_clipfrac = value_loss(vpreds, ro.values[inds], exp.returns[inds], mk, cfg.cliprange_value,
+            vf_loss, vf_clipfrac = value_loss(vpreds, ro.values[inds], exp.returns[inds], kept, cfg.cliprange_value,
                                               n_tokens)  # fmt: skip
             (ranks.loss_scale * cfg.vf_coef * vf_loss).backward()
-        return {**stats, "vf": vf_loss.detach(), "vclip": vf_clipfrac}
+        return {**stats, "value": vf_loss.detach(), "value_clipfrac": vf_clipfrac}
 
-    return accumulate(len(own), cfg.micro_batch_size // ranks.world_size, MB_STATS, micro, ranks, mask.device)
+    return accumulate(len(own), cfg.micro_batch_size // ranks.world_size, MINIBATCH_STATS, micro, ranks, mask.device)
 
 
 def ppo_metrics(
@@ -296,12 +296,12 @@ def ppo_metrics(
         "objective/non_score_reward": non_score,
         "objective/rlhf_reward": raw_scores.mean().item() + non_score,
         "objective/entropy": (-ro.logprobs * mask).sum(1).mean().item(),
-        "policy/approxkl": mean(stats["akl"]),
-        "policy/clipfrac": mean(stats["clip"]),
-        "policy/entropy": mean(stats["ent"]),
-        "loss/policy": mean(stats["pg"]),
-        "loss/value": mean(stats["vf"]),
-        "val/clipfrac": mean(stats["vclip"]),
+        "policy/approxkl": mean(stats["approx_kl"]),
+        "policy/clipfrac": mean(stats["clipfrac"]),
+        "policy/entropy": mean(stats["entropy"]),
+        "loss/policy": mean(stats["policy"]),
+        "loss/value": mean(stats["value"]),
+        "val/clipfrac": mean(stats["value_clipfrac"]),
         "val/mean": masked_mean(ro.values, mask).item(),
         "val/var_explained": explained_variance(ro.values, exp.returns, mask).item(),
         "returns/mean": masked_mean(exp.returns, mask).item(),
@@ -313,5 +313,5 @@ def ppo_metrics(
         "time/step_s": elapsed,
         "throughput/tokens_per_s": n_generated / elapsed,
         "lr": lr,
-        "grad_norm": mean(stats["gn"]),
+        "grad_norm": mean(stats["grad_norm"]),
     }

@@ -67,7 +67,9 @@ def test_micro_batches_accumulate_the_minibatch_gradient(learner: Learner, aggre
     def micro(part: slice, last: bool) -> dict[str, torch.Tensor]:
         return learner.forward_backward(tokens.rows(part), objective, rows(inputs, part), last)
 
-    parts = accumulate(N, 4, ("pg", "kl", "ent", "clip", "akl"), micro, learner.ranks, torch.device("cpu"))
+    parts = accumulate(
+        N, 4, ("policy", "kl", "entropy", "clipfrac", "approx_kl"), micro, learner.ranks, torch.device("cpu")
+    )
     assert [s for s, _ in micro_batches(N, 4)] == [slice(0, 4), slice(4, 8)]
     torch.testing.assert_close(gradients(learner), whole_grad, rtol=1e-5, atol=1e-7)
     for key, value in parts.items():
@@ -88,10 +90,10 @@ def test_the_objective_is_the_clipped_loss_plus_the_kl_less_the_entropy(learner:
     a = inputs.advantages
     expected_pg = (torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * mask).sum() / n
     expected_kl = (kl_per_token(logprobs, inputs.ref_logprobs, "k3") * mask).sum() / n
-    assert stats["pg"].item() == pytest.approx(expected_pg.item(), rel=1e-5)
+    assert stats["policy"].item() == pytest.approx(expected_pg.item(), rel=1e-5)
     assert stats["kl"].item() == pytest.approx(expected_kl.item(), rel=1e-5)
-    assert stats["ent"].item() == pytest.approx(((entropy * mask).sum() / n).item(), rel=1e-5)
-    assert stats["akl"].item() == pytest.approx(((0.5 * (logprobs - inputs.old_logprobs) ** 2 * mask).sum() / n)
+    assert stats["entropy"].item() == pytest.approx(((entropy * mask).sum() / n).item(), rel=1e-5)
+    assert stats["approx_kl"].item() == pytest.approx(((0.5 * (logprobs - inputs.old_logprobs) ** 2 * mask).sum() / n)
                                                 .item(), rel=1e-5)  # fmt: skip
     assert all(p.grad is None for p in learner.params)  # grad=False: measured only
 
@@ -113,22 +115,22 @@ def test_run_updates_shuffles_each_pass_and_stops_at_the_limit(learner: Learner)
 
     def minibatch(inds: torch.Tensor, update: int) -> dict[str, float]:
         seen.append((inds.tolist(), update))
-        return {"pg": 0.0, "akl": 0.5 if update == 4 else 0.0}
+        return {"policy": 0.0, "approx_kl": 0.5 if update == 4 else 0.0}
 
     shuffle = torch.Generator().manual_seed(0)
-    stats, stopped = run_updates(learner, 6, 2, 2, shuffle, minibatch, ("pg",), 1)
-    assert not stopped and [u for _, u in seen] == list(range(6)) and len(stats["gn"]) == 6
+    stats, stopped = run_updates(learner, 6, 2, 2, shuffle, minibatch, ("policy",), 1)
+    assert not stopped and [u for _, u in seen] == list(range(6)) and len(stats["grad_norm"]) == 6
     assert sorted(i for inds, _ in seen[:3] for i in inds) == list(range(6))  # each pass sees every row once
     seen.clear()
-    stats, stopped = run_updates(learner, 6, 2, 2, shuffle, minibatch, ("pg",), 1, limit=("akl", 0.1))
-    assert stopped and [u for _, u in seen] == [0, 1, 2, 3, 4] and len(stats["akl"]) == 5
+    stats, stopped = run_updates(learner, 6, 2, 2, shuffle, minibatch, ("policy",), 1, limit=("approx_kl", 0.1))
+    assert stopped and [u for _, u in seen] == [0, 1, 2, 3, 4] and len(stats["approx_kl"]) == 5
 
 
 def test_run_updates_refuses_a_non_finite_loss(learner: Learner) -> None:
     from engine.core.loop import NonFiniteLossError
 
     with pytest.raises(NonFiniteLossError):
-        run_updates(learner, 2, 2, 1, torch.Generator(), lambda inds, u: {"pg": math.nan}, ("pg",), 3)
+        run_updates(learner, 2, 2, 1, torch.Generator(), lambda inds, u: {"policy": math.nan}, ("policy",), 3)
 
 
 @pytest.mark.parametrize("name", list(POLICY_LOSSES))
@@ -155,7 +157,7 @@ def test_rollout_correction_weights_each_tokens_policy_loss(learner: Learner, na
                 capped += ratio > cap
     expected = total / inputs.mask.sum()
     expected.backward()
-    assert stats["pg"].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+    assert stats["policy"].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(grad, gradients(learner), rtol=1e-5, atol=1e-7)
     assert 0 < capped < inputs.mask.sum()  # some weights capped, some not
 
