@@ -109,7 +109,9 @@ def test_gradient_accumulation_gives_the_same_update(tmp_path, deterministic, sf
     (m1, w1), (mn, wn) = runs[1], runs[accumulation]
     for step in (1, 2):
         for name in ("loss/rm", "rm/accuracy", "rm/margin", "grad_norm"):
-            assert mn[step][name] == pytest.approx(m1[step][name], rel=1e-5, abs=1e-7), (step, name)
+            # abs 1e-6 as for the weights: rm/margin, a difference of two rewards, keeps their absolute rounding
+            # (one torch thread: 0.0184654 vs 0.0184650)
+            assert mn[step][name] == pytest.approx(m1[step][name], rel=1e-5, abs=1e-6), (step, name)
     for name in w1:
         torch.testing.assert_close(wn[name], w1[name], atol=1e-6, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
     initial = load_weights(final_model_dir(sft_dir))
