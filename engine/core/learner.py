@@ -7,6 +7,7 @@ accumulated, statistics summed over micro-batches and ranks) and :func:`run_upda
 shuffled minibatches, one optimizer step each, cut short when a statistic passes its limit).
 """
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -287,13 +288,27 @@ class Learner:
         return raw, logprobs
 
     def save_state(self) -> dict[str, Any]:
-        """The optimizer's and the schedule's state (a checkpoint keeps them beside the weights)."""
+        """The trained weights (the parameters that train, by name: LoRA's adapters, or every weight), the
+        optimizer's state and the schedule's, copied: training on from :meth:`load_state` of it takes the steps
+        an uninterrupted run takes (a job's checkpoints keep the weights as a model folder beside the rest)."""
         assert self.optimizer is not None and self.scheduler is not None
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        weights = {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
+        optimizer = copy.deepcopy(self.optimizer.state_dict())
+        scheduler = copy.deepcopy(self.scheduler.state_dict())
+        return {"weights": weights, "optimizer": optimizer, "scheduler": scheduler}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`save_state` returned."""
+        """Restore what :meth:`save_state` returned (its ``weights`` into the model's parameters in place, so an
+        optimizer, a wrapper or a compiled graph over them stays valid)."""
         assert self.optimizer is not None and self.scheduler is not None
+        if "weights" in state:
+            parameters = dict(self.model.named_parameters())
+            missing = sorted(set(state["weights"]) ^ {n for n, p in parameters.items() if p.requires_grad})
+            if missing:
+                raise ValueError(f"the state's weights and the model's trained parameters differ: {missing[:5]}")
+            with torch.no_grad():
+                for name, weight in state["weights"].items():
+                    parameters[name].copy_(weight)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 

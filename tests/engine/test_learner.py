@@ -167,3 +167,33 @@ def test_rollout_correction_needs_the_samplers_logprobs(learner: Learner) -> Non
     objective = Objective("ppo_clip", LossSettings(0.2, 0.2, rollout_correction=2.0))
     with pytest.raises(ValueError, match="needs the sampler's log-probs"):
         learner.forward_backward(tokens, objective, inputs)
+
+
+def test_load_state_of_save_state_trains_on_as_an_uninterrupted_run(learner: Learner) -> None:
+    """The Tinker-compatible API's save_state / load_state: two updates, the state saved, two more; a learner of
+    another model (another seed) restored from that state takes the same two updates, bit for bit."""
+    tokens, inputs = batch()
+    objective = Objective("ppo_clip", LossSettings(0.2, 0.2), kl_coef=0.1)
+
+    def update(learner: Learner, steps: int) -> None:
+        for _ in range(steps):
+            learner.forward_backward(tokens, objective, inputs, last=True)
+            learner.optim_step()
+            learner.schedule()
+
+    update(learner, 2)
+    state = learner.save_state()
+    update(learner, 2)
+    other = Learner(load_causal_lm("builtin:tiny", load_tokenizer("builtin:tiny"), seed=1), Ranks(), chunk_size=4)
+    cfg = SFTConfig(max_grad_norm=1.0)
+    other.optimizer = make_optimizer(other.model.parameters(), cfg, 1e-3)
+    other.scheduler = make_scheduler(other.optimizer, cfg, 10)
+    other.max_grad_norm = 1.0
+    assert not torch.equal(other.params[0], learner.params[0])
+    other.load_state(state)
+    update(other, 2)
+    assert other.lr == learner.lr
+    for mine, theirs in zip(learner.params, other.params, strict=True):
+        assert torch.equal(mine, theirs)
+    with pytest.raises(ValueError, match="trained parameters differ"):
+        other.load_state({**state, "weights": {"lm_head.weight": state["weights"][next(iter(state["weights"]))]}})
