@@ -575,7 +575,7 @@ class GRPOConfig(GroupSamplingConfig):
     @property
     def kl_as_reward(self) -> bool:
         """Whether the KL is a penalty in the reward (else a loss term)."""
-        return self.advantage_estimator in WHITENED if self.kl_in_reward is None else self.kl_in_reward
+        return kl_in_the_reward(self.advantage_estimator, self.kl_in_reward)
 
     @property
     def kl_term_estimator(self) -> KLEstimator:
@@ -1128,6 +1128,12 @@ class JobSpec(_Strict):
         return HYPERPARAMETERS[self.type].model_validate(self.hyperparameters)
 
 
+def kl_in_the_reward(advantage_estimator: str, kl_in_reward: bool | None) -> bool:
+    """Whether a GRPO job's KL is a penalty in the reward (else a loss term): ``kl_in_reward``, where None means
+    the ``reinforce_pp`` estimators (:data:`WHITENED`)."""
+    return advantage_estimator in WHITENED if kl_in_reward is None else kl_in_reward
+
+
 def upgraded_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """A job spec as an earlier version stored it (every default filled in), in this version's terms, and a
     sentence for each change of what it trains. A stored spec is upgraded rather than refused, so that a queued or
@@ -1141,8 +1147,9 @@ def upgraded_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         return spec, []
     estimator = hyperparameters["kl_estimator"]
     if spec.get("type") == "grpo":
-        in_reward = hyperparameters.get("kl_in_reward")
-        if not (hyperparameters.get("advantage_estimator", "grpo") in WHITENED if in_reward is None else in_reward):
+        if not kl_in_the_reward(
+            hyperparameters.get("advantage_estimator", "grpo"), hyperparameters.get("kl_in_reward")
+        ):
             return spec, []
         upgraded = None  # GRPO's default: k1 in the reward
     elif spec.get("type") == "ppo":

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 from alembic import op
 
-from engine.spec.config import upgraded_spec
+from engine.spec.config import kl_in_the_reward, upgraded_spec
 
 revision: str = "0006"
 down_revision: str | None = "0005"
@@ -65,8 +65,8 @@ def downgrade() -> None:
     for job_id, spec in connection.execute(sa.select(jobs.c.id, jobs.c.spec).where(jobs.c.type == "grpo")).all():
         hyperparameters = spec.get("hyperparameters", {})
         if "kl_estimator" in hyperparameters and hyperparameters["kl_estimator"] is None:
-            in_reward = hyperparameters.get("kl_in_reward")
-            if in_reward is None:
-                in_reward = hyperparameters.get("advantage_estimator") in ("reinforce_pp", "reinforce_pp_baseline")
+            in_reward = kl_in_the_reward(
+                hyperparameters.get("advantage_estimator", "grpo"), hyperparameters.get("kl_in_reward")
+            )
             spec = {**spec, "hyperparameters": {**hyperparameters, "kl_estimator": "k1" if in_reward else "k3"}}
             connection.execute(jobs.update().where(jobs.c.id == job_id).values(spec=spec))
