@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parents[1] / "engine"
-SUBPACKAGES = ("spec", "rewards", "core", "methods")
+SUBPACKAGES = ("spec", "rewards", "core", "methods", "session")
 BLOCKS = (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.FunctionDef, ast.AsyncFunctionDef, ast.Match)
 
 
@@ -35,7 +35,8 @@ def test_online_loops_stay_small() -> None:
 
 
 def test_the_engine_is_in_its_subpackages() -> None:
-    # The layout engine/__init__.py maps: the torch-free spec, the rewards, the chassis, the methods; the harness
+    # The layout engine/__init__.py maps: the torch-free spec, the rewards, the chassis, the methods, a training
+    # session's operations; the harness
     # (run, cli, demo, callbacks, tracking, builtin/) at the top. A new module goes into one of the subpackages.
     top = {path.name for path in ENGINE.iterdir() if path.name != "__pycache__"}
     assert top == {"__init__.py", "run.py", "cli.py", "demo.py", "callbacks.py", "tracking.py", "builtin", *SUBPACKAGES}

@@ -116,8 +116,9 @@ def compare(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, vocab: int)
     chunked, plain = run(True), run(False)
     torch.testing.assert_close(chunked[0], plain[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(chunked[1], plain[1], rtol=0, atol=1e-5)
+    # Sums in another order: a few of the gradients' float32 entries differ by ~1e-6 on some CPUs (vector widths).
     for a, b in zip(chunked[2], plain[2], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def causal_lm(folder: Path, arch: str) -> PreTrainedModel:
@@ -208,7 +209,7 @@ def test_the_sft_and_dpo_losses_in_chunks_are_those_of_the_whole_logits(
     whole_sft = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
     torch.testing.assert_close(chunked_sft, whole_sft, rtol=1e-5, atol=1e-5)
     for a, b in zip(chunked_grads, grads_of(whole_sft), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # ~1e-6 apart on some CPUs, as above
 
     with torch.no_grad():
         whole_logps = -F.cross_entropy(

@@ -174,7 +174,9 @@ def careful_teacher(digits_sft: Path, prompts: Path, tmp_path_factory: pytest.Te
 def test_a_distill_job_brings_its_student_to_the_teacher(
     digits_sft: Path, careful_teacher: Path, prompts: Path, tmp_path: Path
 ) -> None:
-    steps = 16
+    # 32 steps at 1e-3: over seeds 0-7 the evaluated reverse KL ends 0.05-0.32 from 1.1-1.9, where 16 steps at
+    # 3e-3 (the earlier setting) stayed above half of it for three seeds in eight.
+    steps = 32
     spec = distill_spec(
         careful_teacher,
         model=str(digits_sft),
@@ -183,9 +185,9 @@ def test_a_distill_job_brings_its_student_to_the_teacher(
         eval_reward=digits.GRADER,
         hyperparameters={
             "total_steps": steps,
-            "learning_rate": 3e-3,
-            "eval_every": 8,
-            "log_samples_every": 8,
+            "learning_rate": 1e-3,
+            "eval_every": 16,
+            "log_samples_every": 16,
             "log_samples": 4,
         },
     )
@@ -196,7 +198,7 @@ def test_a_distill_job_brings_its_student_to_the_teacher(
         assert set(DISTILL_METRICS) <= set(values), step
         assert not any(name.startswith("reward/") for name in values)  # no training reward: none measured
     assert_all_finite(rec.metrics)
-    for step in (8, 16):
+    for step in (16, 32):
         assert {"eval/distill/reverse_kl", "eval/reward", "eval/reward/correct", "eval/length_mean"} <= set(
             rec.metrics[step]
         )
@@ -208,7 +210,7 @@ def test_a_distill_job_brings_its_student_to_the_teacher(
     assert last["eval/distill/reverse_kl"] < 0.5 * first["distill/reverse_kl"], (first, last)
     assert last["eval/reward"] >= 0.75
     # the kept samples: whole groups of the first prompts, each with its summed reverse KL and no rewards
-    assert sorted(rec.samples) == [1, 8, 16]
+    assert sorted(rec.samples) == [1, 16, 32]
     kept = rec.samples[1]
     assert len(kept) == 4 and len({s["prompt"] for s in kept}) == 1
     assert all(s["rewards"] == {} and 1 <= s["length"] <= 4 for s in kept)

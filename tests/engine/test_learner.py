@@ -71,7 +71,8 @@ def test_micro_batches_accumulate_the_minibatch_gradient(learner: Learner, aggre
         N, 4, ("policy", "kl", "entropy", "clipfrac", "approx_kl"), micro, learner.ranks, torch.device("cpu")
     )
     assert [s for s, _ in micro_batches(N, 4)] == [slice(0, 4), slice(4, 8)]
-    torch.testing.assert_close(gradients(learner), whole_grad, rtol=1e-5, atol=1e-7)
+    # Summed in two parts: a few float32 entries differ by ~2e-7 on some CPUs (vector widths).
+    torch.testing.assert_close(gradients(learner), whole_grad, rtol=1e-5, atol=1e-6)
     for key, value in parts.items():
         assert value == pytest.approx(whole[key].item(), rel=1e-5, abs=1e-7)
 
