@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from engine.spec.config import TRAIN_QUEUE
 from jobs.store.models import (
     ACTIVE_STATUSES,
+    SESSION_TYPE,
     ApiKey,
     Checkpoint,
     Event,
@@ -27,6 +28,7 @@ from jobs.store.models import (
     Metric,
     Project,
     Sample,
+    SessionRequest,
     utcnow,
 )
 
@@ -340,6 +342,8 @@ def recover_expired(session: Session, *, max_attempts: int, now: datetime | None
     expired = list(session.scalars(select(Job).where(Job.status.in_(ACTIVE_STATUSES), Job.lease_until < now)))
     requeued = []
     for job in expired:
+        if job.type == SESSION_TYPE:  # its models lived in the lost worker's memory: their futures fail now
+            _fail_session_requests(session, job.id, now)
         free = {"worker": None, "lease_until": None}
         if job.status == "cancelling":
             transition(session, job_id=job.id, from_statuses=("cancelling",), to="cancelled", finished_at=now, **free)
@@ -356,6 +360,21 @@ def recover_expired(session: Session, *, max_attempts: int, now: datetime | None
             add_event(session, job_id=job.id, kind="warning", message="worker lost; the job was requeued")
             requeued.append((job.id, job_queue(job)))
     return requeued
+
+
+LOST_SESSION = (
+    "the worker running this session was lost; its models are gone: create a training client from the last "
+    "saved state (create_training_client_from_state) to continue"
+)
+
+
+def _fail_session_requests(session: Session, session_id: str, now: datetime) -> None:
+    stmt = (
+        update(SessionRequest)
+        .where(SessionRequest.session_id == session_id, SessionRequest.status.in_(("pending", "running")))
+        .values(status="failed", error=LOST_SESSION, category="server", finished_at=now)
+    )
+    session.execute(stmt)
 
 
 # --- metrics, events, checkpoints --------------------------------------------------------------

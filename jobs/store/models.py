@@ -12,6 +12,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -194,4 +195,123 @@ class Sample(Base):
     """Summed log-ratio of policy to reference over the response."""
     length: Mapped[int] = mapped_column(Integer)
     """Response tokens."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+# --- training sessions (the Tinker-compatible API, /api/v1): a session is a job of type "session" -------------
+
+SESSION_TYPE = "session"
+"""The job type of a training session: created by the Tinker-compatible API, never by a job spec."""
+REQUEST_STATUSES = ("pending", "running", "done", "failed")
+
+
+class TrainingSession(Base):
+    """What a session job holds beside its job row: the client's heartbeat and how the client ended it."""
+
+    __tablename__ = "training_sessions"
+
+    id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    """The session's job id: the SDK's ``session_id``."""
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    sdk_version: Mapped[str] = mapped_column(String(40))
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    """The client's last heartbeat (or request): the session ends when it is older than the session timeout."""
+    finish_reason: Mapped[str | None] = mapped_column(String(16), default=None)
+    """``success``, ``errored`` or ``interrupted``, once the client closed the session."""
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class SessionModel(Base):
+    """A model a session trains (the SDK's training client): its id is ``<session>:train:<n>``."""
+
+    __tablename__ = "session_models"
+    __table_args__ = (Index("ix_session_models_session", "session_id"),)
+
+    id: Mapped[str] = mapped_column(String(120), primary_key=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    base_model: Mapped[str] = mapped_column(String(500))
+    """As the client named it (a name of ``get_server_capabilities``)."""
+    lora_rank: Mapped[int | None] = mapped_column(default=None)
+    """None: every weight trains."""
+    info: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    """What the worker found once it built the model: ``tokenizer_id``, ``vocab_size``, ``max_length``, ``arch``,
+    the LoRA targets (``train_mlp``, ``train_attn``, ``train_unembed``); empty until then."""
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_request_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class SamplingSession(Base):
+    """A sampler of a session (the SDK's sampling client): saved sampler weights, or a base model."""
+
+    __tablename__ = "sampling_sessions"
+    __table_args__ = (Index("ix_sampling_sessions_session", "session_id"),)
+
+    id: Mapped[str] = mapped_column(String(120), primary_key=True)
+    """``<session>:sample:<n>``."""
+    session_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    base_model: Mapped[str] = mapped_column(String(500))
+    model_path: Mapped[str | None] = mapped_column(Text, default=None)
+    """The ``tinker://`` path of the sampler weights it samples from; None: the base model."""
+    folder: Mapped[str | None] = mapped_column(Text, default=None)
+    """Those weights' model folder, relative to the artifacts folder; None: the base model."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class SessionRequest(Base):
+    """One operation of a session (a future of the SDK): stored by the API, run by the session's worker in the
+    order the SDK numbers them (``seq_id`` per model or sampler), its result kept for ``retrieve_future``."""
+
+    __tablename__ = "session_requests"
+    __table_args__ = (
+        UniqueConstraint("target", "seq_id", name="uq_session_requests_target_seq"),
+        Index("ix_session_requests_session_status", "session_id", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    """The SDK's ``request_id``."""
+    session_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    target: Mapped[str] = mapped_column(String(120))
+    """The model (``<session>:train:<n>``) or sampler (``<session>:sample:<n>``) it runs on."""
+    seq_id: Mapped[int] = mapped_column(BigInteger)
+    """Its place in the target's order (a model's creation is 0); a repeated (target, seq_id) is the same request."""
+    kind: Mapped[str] = mapped_column(String(32))
+    """``create_model``, ``load_weights``, ``forward``, ``forward_backward``, ``optim_step``, ``save_weights``,
+    ``save_weights_for_sampler``, ``sample``."""
+    payload: Mapped[bytes] = mapped_column(LargeBinary)
+    """The request body: JSON, or the protobuf of a forward/backward (decompressed)."""
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    result: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
+    result_format: Mapped[str | None] = mapped_column(String(8), default=None)
+    """``json`` or ``proto``."""
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    category: Mapped[str | None] = mapped_column(String(16), default=None)
+    """Whose the error is to fix: ``user``, ``server`` (a lost worker) or ``unknown``."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class SessionCheckpoint(Base):
+    """Weights a session saved under a name: ``tinker://<model id>/<kind>/<name>``. Sampler weights are also a
+    checkpoint of the session's job (``step``), which generation, the OpenAI endpoints and ``job:`` references read."""
+
+    __tablename__ = "session_checkpoints"
+    __table_args__ = (UniqueConstraint("model_id", "kind", "name", name="uq_session_checkpoints_name"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    model_id: Mapped[str] = mapped_column(String(120))
+    kind: Mapped[str] = mapped_column(String(16))
+    """``weights`` (the trained weights and the optimizer's state) or ``sampler_weights`` (a model folder)."""
+    name: Mapped[str] = mapped_column(String(200))
+    path: Mapped[str] = mapped_column(Text)
+    """Folder relative to the artifacts folder."""
+    step: Mapped[int | None] = mapped_column(default=None)
+    """Sampler weights: their checkpoint number in the session's job (``job:<session>@<step>``)."""
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

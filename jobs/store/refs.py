@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 from engine.builtin import DATASETS, TINY_CONFIG, TINY_MODEL, TOKENIZER_FILE
 from engine.rewards.graders import check_allowed, parse_grader, replace_models
 from engine.spec.auto import auto_hyperparameters, model_width
-from engine.spec.config import JOB_TYPES, MODEL_FIELDS, vocabulary_mismatch
+from engine.spec.config import GENERATING_TYPES, JOB_TYPES, MODEL_FIELDS, vocabulary_mismatch
 from engine.spec.hub import is_hub_id
 from engine.spec.model_refs import (
     TOKENIZER_FILES,
@@ -43,7 +43,7 @@ from engine.spec.model_refs import (
 from engine.spec.rows import dataset_kind
 from engine.spec.sequence_classification import SEQUENCE_CLASSIFICATION_TYPES
 from jobs.store import crud
-from jobs.store.models import LIVE_STATUSES, Job
+from jobs.store.models import LIVE_STATUSES, SESSION_TYPE, Job
 from jobs.store.settings import Settings
 
 _JOB_REF = re.compile(r"^job:([A-Za-z0-9_-]+)(?:@(\d+))?$")
@@ -52,16 +52,34 @@ _FILE_ID = re.compile(r"^file-[A-Za-z0-9_-]+$")
 
 
 def model_sources(job_type: str) -> tuple[str, ...]:
-    """The job types whose output a ``job_type`` job may start from: any policy, and a reward model's own type
-    (a reward model trained further)."""
+    """The job types whose output a ``job_type`` job may start from: any policy (a training session's sampler
+    weights among them), and a reward model's own type (a reward model trained further)."""
     own = JOB_TYPES[job_type]
-    return tuple(name for name, info in JOB_TYPES.items() if info.output == "policy" or info.output == own.output)
+    return (*output_sources("policy"), *(output_sources(own.output) if own.output != "policy" else ()))
 
 
 def output_sources(output: str) -> tuple[str, ...]:
     """The job types whose output is ``output`` (``policy`` or ``reward_model``): what a model field of
-    :data:`MODEL_FIELDS` of that output may name."""
-    return tuple(name for name, info in JOB_TYPES.items() if info.output == output)
+    :data:`MODEL_FIELDS` of that output may name. A training session's saved sampler weights are a policy."""
+    types = tuple(name for name, info in JOB_TYPES.items() if info.output == output)
+    return (*types, SESSION_TYPE) if output == "policy" else types
+
+
+GENERATING_JOB_TYPES = (*GENERATING_TYPES, SESSION_TYPE)
+"""The job types whose checkpoints generate text: those that train a policy, and training sessions (their saved
+sampler weights)."""
+
+
+def generates(job_type: str) -> bool:
+    """Whether a job of ``job_type`` has checkpoints that generate text (:data:`GENERATING_JOB_TYPES`)."""
+    return job_type in GENERATING_JOB_TYPES
+
+
+def resolve_model(session: Session, *, project_id: str, ref: str, settings: Settings, param: str) -> str:
+    """A model reference as a job spec's ``model`` names one (builtin, ``job:<id>[@<step>]``, a folder under the
+    model root, a hub id), resolved to what the engine loads; :class:`SpecReferenceError` naming ``param``."""
+    return _model(session, project_id, param, ref, output_sources("policy"), settings.resolved_artifacts_dir,
+                  settings.model_root, settings.hub_downloads)  # fmt: skip
 
 
 @dataclass
