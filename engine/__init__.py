@@ -8,6 +8,9 @@
   bookkeeping (``loop``), models, generation, data, checkpoints, the ranks of a job, tensor ops, the collapse monitor.
 - ``methods/``: one module per method's numerics (``dpo``, ``ppo``, ``grpo``: pure functions of tensors) and one per
   loop (``sft``, ``rm``, ``dpo_train``, ``ppo_train``, ``grpo_train``, ``distill``).
+- ``session/``: a training session's operations for the Tinker-compatible API, on the chassis: the SDK's protobuf
+  bodies as tensors (``wire``), Tinker's losses as sums over tokens on the registry's policy losses (``losses``),
+  its sampling (``sampler``), a trained model and its per-step AdamW (``models``).
 - the harness, here: ``run`` (a job to its loop), ``cli`` (``python -m engine.cli``), ``demo``, ``callbacks``,
   ``tracking`` (experiment trackers) and ``builtin/`` (the built-in model, tokenizer and tasks).
 

@@ -232,3 +232,14 @@ def test_a_method_loop_imports_no_other_loop() -> None:
     assert "engine.methods.grpo" in engine_imports(ROOT / "engine" / "methods" / "distill.py")  # the parser sees it
     offenders = [line for path in paths for line in method_offenders(module_name(path), path.read_text())]
     assert offenders == []
+
+
+def test_a_session_imports_no_method() -> None:
+    # A training session (engine/session/) serves the client's own loop on the chassis and the spec: it needs no
+    # method's loop or numerics (its losses are the registry's, engine/spec/policy_losses.py).
+    paths = sorted((ROOT / "engine" / "session").glob("*.py"))
+    imported = {name for path in paths for name in engine_imports(path)}
+    assert {"engine.core.learner", "engine.spec.policy_losses"} <= imported  # the parser sees them
+    offenders = [f"{module_name(path)} imports {name}" for path in paths for name in sorted(engine_imports(path))
+                 if within(name, {"engine.methods"})]  # fmt: skip
+    assert offenders == []

@@ -161,9 +161,17 @@ class Learner:
         schedule, both restored when resuming (:meth:`engine.core.loop.Run.start_training`); :meth:`optim_step` clips
         the norm of all of them together."""
         start = run.start_training(cfg, total_steps, (self.params, cfg.learning_rate), *more)
-        self.optimizer, self.scheduler, self.max_grad_norm = start.optimizer, start.scheduler, cfg.max_grad_norm
-        self._clipped = [p for group in start.optimizer.param_groups for p in group["params"]]
+        self.use_optimizer(start.optimizer, start.scheduler, cfg.max_grad_norm)
         return start
+
+    def use_optimizer(
+        self, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+        max_grad_norm: float | None = None,
+    ) -> None:  # fmt: skip
+        """Train with an optimizer made by the caller (a training session's AdamW, whose hyperparameters each step
+        sets) rather than :meth:`start_training`'s."""
+        self.optimizer, self.scheduler, self.max_grad_norm = optimizer, scheduler, max_grad_norm
+        self._clipped = [p for group in optimizer.param_groups for p in group["params"]]
 
     def schedule(self) -> float:
         """At a step's end: the learning rate it trained at; the schedule then moves on."""
@@ -299,7 +307,8 @@ class Learner:
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`save_state` returned (its ``weights`` into the model's parameters in place, so an
-        optimizer, a wrapper or a compiled graph over them stays valid)."""
+        optimizer, a wrapper or a compiled graph over them stays valid). A state of weights alone leaves the
+        optimizer and the schedule as they are."""
         assert self.optimizer is not None and self.scheduler is not None
         if "weights" in state:
             parameters = dict(self.model.named_parameters())
@@ -309,8 +318,9 @@ class Learner:
             with torch.no_grad():
                 for name, weight in state["weights"].items():
                     parameters[name].copy_(weight)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
 
 
 def micro_batches(n: int, size: int) -> Iterator[tuple[slice, bool]]:
