@@ -27,6 +27,7 @@ from api.routes import (
     samples,
     stream,
     tensorboard,
+    tinker,
 )
 from api.routes import openai as openai_routes
 from api.routes.files import remove_stale_uploads
@@ -61,6 +62,11 @@ TAGS = [
     {
         "name": "openai",
         "description": "OpenAI's models, completions, chat completions and fine-tuning APIs over the same jobs.",
+    },
+    {
+        "name": "tinker",
+        "description": "The Tinker-compatible training API (`/api/v1`) that the official `tinker` SDK drives: a "
+        "session trains models with the client's own loop (`X-API-Key: tml-<key>`).",
     },
     {"name": "health", "description": "Liveness and readiness, without a key."},
 ]
@@ -155,6 +161,7 @@ def create_app(
         v1.include_router(module.router)
     v1.include_router(fine_tuning.checkpoints_router)
     app.include_router(v1)
+    app.include_router(tinker.router)  # /api/v1: the tinker SDK's paths
     app.include_router(health.router)
     app.include_router(dashboard.router)  # `/` and `/static/…`: the web dashboard, outside the schema
     app.openapi = _openapi_with_job_spec(app)  # type: ignore[method-assign]

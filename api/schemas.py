@@ -9,7 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchem
 
 from engine.spec.config import JOB_TYPES
 from engine.spec.rows import FINE_TUNE, KIND_ALIASES, ROW_FIELDS
-from jobs.store.models import Checkpoint, Event, File, Job, Sample
+from jobs.store.models import SESSION_TYPE, Checkpoint, Event, File, Job, Sample
 
 
 def _as_utc(value: datetime) -> datetime:
@@ -50,10 +50,10 @@ _PURPOSES = [*ROW_FIELDS, *KIND_ALIASES, FINE_TUNE]
 Purpose = Annotated[str, _one_of(_PURPOSES, "purpose"), WithJsonSchema({"type": "string", "enum": _PURPOSES})]
 """A dataset kind (engine.spec.rows), one of its earlier names ``rm`` and ``ppo``, or ``fine-tune`` (OpenAI's
 formats)."""
-JobType = Annotated[
-    str, _one_of(list(JOB_TYPES), "job type"), WithJsonSchema({"type": "string", "enum": list(JOB_TYPES)})
-]
-"""A name of :data:`engine.spec.config.JOB_TYPES`."""
+_JOB_TYPES = [*JOB_TYPES, SESSION_TYPE]
+JobType = Annotated[str, _one_of(_JOB_TYPES, "job type"), WithJsonSchema({"type": "string", "enum": _JOB_TYPES})]
+"""A name of :data:`engine.spec.config.JOB_TYPES`, or ``session`` (a training session of the Tinker-compatible
+API)."""
 JobStatus = Literal[
     "waiting", "queued", "running", "cancelling", "cancelled", "pausing", "paused", "succeeded", "failed"
 ]

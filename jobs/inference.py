@@ -365,7 +365,7 @@ def _lookup(session: Session, job_id: str, step: int | None, score: bool, settin
     job = crud.get_job(session, job_id=job_id)
     if job is None:
         raise GenerateError(f"no job {job_id!r}")
-    if not JOB_TYPES[job.type].generates:
+    if not refs.generates(job.type):
         raise GenerateError(f"job {job_id} trains a reward model: it scores text but does not generate it")
     checkpoint = crud.get_checkpoint(session, job_id=job_id, step=step)
     if checkpoint is None:
@@ -373,7 +373,7 @@ def _lookup(session: Session, job_id: str, step: int | None, score: bool, settin
         raise GenerateError(f"job {job_id} has no checkpoint {which}")
     reward_model = None
     if score:
-        if not JOB_TYPES[job.type].reward_model or not job.spec.get("reward_model"):
+        if not job.spec.get("reward_model") or not JOB_TYPES[job.type].reward_model:
             raise GenerateError(f"scores need a reward model, and job {job_id} ({job.type}) has none")
         try:
             reward_model = resolve_model_ref(refs.resolve_stored(session, job, settings)["reward_model"])

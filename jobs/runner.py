@@ -50,7 +50,7 @@ from jobs.distributed import RankFailure, run_distributed
 from jobs.downloads import DownloadStopped, HubDownloadError, download
 from jobs.store import crud, refs
 from jobs.store.db import session_scope
-from jobs.store.models import ACTIVE_STATUSES, utcnow
+from jobs.store.models import ACTIVE_STATUSES, SESSION_TYPE, utcnow
 from jobs.store.settings import Settings
 from jobs.store.storage import MESSAGES as STORAGE_MESSAGES
 from jobs.store.storage import storage_error
@@ -423,6 +423,10 @@ Ending = tuple[list[Outcome], tuple[str, str, dict[str, Any]] | None]
 
 
 def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallbacks) -> Ending:
+    if in_transaction(settings.resolved_database_url, lambda s: _job_type(s, job_id)) == SESSION_TYPE:
+        from jobs.session import run_session  # it builds on this module's callbacks
+
+        return run_session(job_id, settings, out_dir, callbacks)
     # 2. the spec, with job: and file- references turned into paths
     try:
         submitted, spec = in_transaction(settings.resolved_database_url, lambda s: _specs(s, job_id, settings))
@@ -551,6 +555,12 @@ def _specs(session: Session, job_id: str, settings: Settings) -> tuple[JobSpec, 
 def _processors() -> int:
     """How many processes a job may train in on this machine: one per GPU, or per CPU core without one."""
     return torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count() or 1
+
+
+def _job_type(session: Session, job_id: str) -> str:
+    job = crud.get_job(session, job_id=job_id)
+    assert job is not None, f"job {job_id} disappeared"
+    return job.type
 
 
 def _status(session: Session, job_id: str) -> str:

@@ -11,21 +11,22 @@ from api.errors import ApiError, ErrorResponse, error_responses
 from api.queue import run_generation
 from api.schemas import GenerateRequest, GenerateResponse
 from api.services.jobs import job_or_404
-from engine.spec.config import GENERATING_TYPES, JOB_TYPES
+from engine.spec.config import JOB_TYPES
 from jobs.store import crud
 from jobs.store.models import Project
+from jobs.store.refs import GENERATING_JOB_TYPES, generates
 
 router = APIRouter(prefix="/jobs", tags=["generation"])
 
 
 def _checkpoint_step(session: Session, project: Project, job_id: str, body: GenerateRequest) -> int:
     job = job_or_404(session, project, job_id)
-    if not JOB_TYPES[job.type].generates:
+    if not generates(job.type):
         raise ApiError(
             422,
             "wrong_job_type",
             f"job {job.id} trains a reward model: it scores text but does not "
-            f"generate it; generate from a job of type {' or '.join(GENERATING_TYPES)}",
+            f"generate it; generate from a job of type {' or '.join(GENERATING_JOB_TYPES)}",
         )
     if body.score and not job.spec.get("reward_model"):
         scoring = " or ".join(name for name, info in JOB_TYPES.items() if info.reward_model)

@@ -41,9 +41,9 @@ from api.openai_schemas import (
 )
 from api.queue import run_generation
 from api.schemas import MAX_INT32
-from engine.spec.config import GENERATING_TYPES
 from jobs.store import crud
 from jobs.store.models import Checkpoint, Job, Project
+from jobs.store.refs import GENERATING_JOB_TYPES, generates
 
 router = APIRouter(tags=["openai"])
 
@@ -68,7 +68,7 @@ def _model_not_found(model: str, why: str = "") -> ApiError:
 
 
 def _list_models(session: Session, project: Project) -> ModelList:
-    jobs = crud.list_jobs_of_types(session, project_id=project.id, job_types=GENERATING_TYPES)
+    jobs = crud.list_jobs_of_types(session, project_id=project.id, job_types=GENERATING_JOB_TYPES)
     checkpoints = crud.checkpoints_by_job(session, job_ids=[job.id for job in jobs])
     data = []
     for job in jobs:
@@ -103,7 +103,7 @@ def _resolve(session: Session, project: Project, model: str) -> tuple[str, int, 
     job = crud.get_job(session, job_id=job_id, project_id=project.id)
     if job is None:
         raise _model_not_found(model)
-    if job.type not in GENERATING_TYPES:
+    if not generates(job.type):
         raise _model_not_found(model, f": job {job.id} trains a reward model, which scores text but does not generate")
     if step is not None:
         checkpoint = crud.get_checkpoint(session, job_id=job.id, step=int(step)) if int(step) <= MAX_INT32 else None

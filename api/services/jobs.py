@@ -15,7 +15,7 @@ from api.schemas import looks_like_id
 from engine.spec.config import JobSpec
 from jobs.recovery import release_once
 from jobs.store import crud
-from jobs.store.models import FINAL_STATUSES, Job, Project, utcnow
+from jobs.store.models import FINAL_STATUSES, SESSION_TYPE, Job, Project, utcnow
 from jobs.store.refs import SpecReferenceError, auto_values, dependencies, resolve_spec
 from jobs.store.settings import Settings
 
@@ -225,6 +225,13 @@ def control_job(session: Session, settings: Settings, enqueue: Enqueue, job: Job
     checkpoint between steps and stops (``pausing`` → ``paused``), a queued one is paused before it starts.
     Resume: a paused job is queued again (503, and it stays paused, when the broker refuses it). 409 when the
     job's status does not allow the action."""
+    if job.type == SESSION_TYPE and action != "cancel":
+        raise ApiError(
+            409,
+            "conflict",
+            f"cannot {action} job {job.id}: a training session is driven by its client; "
+            "save its state from the client (save_state) and cancel it, or let the client close it",
+        )
     _transition(session, job, action)
     session.commit()
     if action == "resume":

@@ -1,0 +1,373 @@
+"""The Tinker-compatible API's logic (the routes in api/routes/tinker.py are thin): who calls (a project key given
+as ``tml-<key>``), which SDK, the session and its models, the requests each operation stores for the session's
+worker, and the views of runs and saved weights the SDK's REST client reads.
+
+Every request answers a future at once; the session's worker (jobs/session.py) runs the requests of one model in
+their ``seq_id`` order and stores the result, which ``retrieve_future`` long-polls for."""
+
+import json
+import re
+import shutil
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from sqlalchemy.orm import Session
+
+from api.deps import Enqueue
+from api.errors import ApiError
+from api.services.jobs import send_created
+from api.tinker_schemas import SUPPORTED_SDK, Future
+from engine import builtin
+from engine.spec.tinker_proto import WireError, parse_forward_backward
+from jobs.store import crud, sessions
+from jobs.store.models import (
+    FINAL_STATUSES,
+    Job,
+    Project,
+    SamplingSession,
+    SessionCheckpoint,
+    SessionModel,
+    SessionRequest,
+)
+from jobs.store.refs import SpecReferenceError, resolve_model
+from jobs.store.settings import Settings
+
+KEY_PREFIX = "tml-"
+"""The SDK refuses keys without it: a project key ``K`` is given to it as ``tml-K``."""
+CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
+"""The middle part of a ``tinker://`` path, and the SDK's name for that kind of checkpoint."""
+_TINKER_PATH = re.compile(r"^tinker://([^/]+)/([a-z_]+)/([^/]+)$")
+
+
+def project_for_key(session: Session, header: str | None) -> Project:
+    """The project of ``X-API-Key: tml-<key>``; 401 otherwise (the key is never repeated)."""
+    if not header:
+        raise ApiError(401, "invalid_api_key", "missing API key: send 'X-API-Key: tml-<your project key>'")
+    key = header.removeprefix(KEY_PREFIX)
+    project = crud.project_for_key(session, key=key) if header.startswith(KEY_PREFIX) and len(key) <= 256 else None
+    if project is None:
+        raise ApiError(401, "invalid_api_key", "the API key is not valid (give a project key as 'tml-<key>')")
+    return project
+
+
+def check_sdk(version: str | None) -> None:
+    """400 for an SDK version this server does not speak (a missing version is let through: not every client
+    names itself)."""
+    if version and not version.startswith(tuple(f"{supported}." for supported in SUPPORTED_SDK)):
+        wanted = ", ".join(f"{supported}.x" for supported in SUPPORTED_SDK)
+        raise ApiError(
+            400,
+            "unsupported_sdk",
+            f"tinker SDK {version[:40]} is not supported by this server; it speaks {wanted} "
+            f"(pip install 'tinker=={SUPPORTED_SDK[-1]}.0')",
+        )
+
+
+# --- client config and capabilities ----------------------------------------------------------------
+
+
+def client_config(settings: Settings) -> dict[str, Any]:
+    """The SDK's switches: plain httpx, zstd forward/backward bodies in chunks under the request limit, custom
+    losses computed in the client, samples fetched one future at a time."""
+    return {
+        "pjwt_auth_enabled": False,
+        "use_pyqwest_transport": False,
+        "proto_compress_fwdbwd": True,
+        "parallel_fwdbwd_chunks": True,
+        "fwdbwd_max_chunk_bytes_count": settings.max_request_bytes // 2,
+        "custom_loss_server_side": False,
+        "sample_use_retrieve_futures": False,
+        "sample_join_sampling_session": False,
+    }
+
+
+def capabilities(settings: Settings) -> dict[str, Any]:
+    """The models a session can train: the built-ins and each model folder under the model root (by its path
+    there); ``job:<id>`` of a policy job or a session's sampler weights is accepted too."""
+    names = [builtin.TINY_MODEL]
+    if settings.model_root is not None and settings.model_root.is_dir():
+        root = settings.model_root.resolve()
+        names += sorted(config.parent.relative_to(root).as_posix() for config in root.glob("**/config.json"))
+    return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": True} for name in names]}
+
+
+# --- sessions ------------------------------------------------------------------------------------
+
+
+def start_session(
+    session: Session, settings: Settings, enqueue: Enqueue, project: Project, *, sdk_version: str, tags: list[str],
+    user_metadata: dict[str, Any],
+) -> Job:  # fmt: skip
+    """A session job, queued for a train worker that holds it while the client lives."""
+    job = sessions.create_session(session, project_id=project.id, sdk_version=sdk_version, tags=tags[:20],
+                                  user_metadata=user_metadata)  # fmt: skip
+    session.commit()
+    send_created(session, settings, enqueue, [job])
+    return job
+
+
+def live_session(session: Session, project: Project, session_id: str, status: int = 400) -> Job:
+    """The caller's session job, still running; 404 for none, ``status`` (400; 410 for a heartbeat) once it ended."""
+    row = sessions.get_session(session, session_id=session_id[:40], project_id=project.id)
+    job = crud.get_job(session, job_id=row.id) if row is not None else None
+    if job is None:
+        raise ApiError(404, "not_found", f"no session {session_id[:40]!r}")
+    if job.status in FINAL_STATUSES:
+        raise ApiError(status, "session_ended", f"session {job.id} has ended ({job.status}); create a new one")
+    return job
+
+
+def heartbeat(session: Session, project: Project, session_id: str) -> None:
+    job = live_session(session, project, session_id, status=410)
+    sessions.beat(session, session_id=job.id)
+
+
+# --- requests ------------------------------------------------------------------------------------
+
+
+def _submit(session: Session, job: Job, target: str, seq_id: int, kind: str, payload: bytes) -> SessionRequest:
+    request, _ = sessions.add_request(session, session_id=job.id, project_id=job.project_id, target=target,
+                                      seq_id=seq_id, kind=kind, payload=payload)  # fmt: skip
+    sessions.beat(session, session_id=job.id)  # a client that sends work is alive
+    return request
+
+
+def _json(body: BaseModel, **extra: Any) -> bytes:
+    return json.dumps({**body.model_dump(mode="json"), **extra}).encode()
+
+
+def model_of(session: Session, project: Project, model_id: str) -> tuple[SessionModel, Job]:
+    """The caller's model and its live session; 404 for another project's or none."""
+    model = sessions.get_model(session, model_id=model_id, project_id=project.id)
+    if model is None:
+        raise ApiError(404, "not_found", f"no model {model_id[:120]!r}")
+    return model, live_session(session, project, model.session_id)
+
+
+def create_model(
+    session: Session, settings: Settings, project: Project, *, session_id: str, model_seq_id: int, base_model: str,
+    lora: dict[str, Any] | None, user_metadata: dict[str, Any], body: BaseModel,
+) -> Future:  # fmt: skip
+    job = live_session(session, project, session_id)
+    try:
+        resolved = resolve_model(session, project_id=project.id, ref=base_model, settings=settings, param="base_model")
+    except SpecReferenceError as e:
+        raise ApiError(400, e.code, e.message, param=e.param) from None
+    model = sessions.add_model(session, session_id=job.id, project_id=project.id, seq=model_seq_id,
+                               base_model=base_model, lora_rank=lora["rank"] if lora else None,
+                               info={"lora": lora}, user_metadata=user_metadata)  # fmt: skip
+    request = _submit(session, job, model.id, 0, "create_model", _json(body, resolved=resolved))
+    return Future(request_id=request.id, model_id=model.id)
+
+
+def model_operation(
+    session: Session, project: Project, *, model_id: str, seq_id: int, kind: str, payload: bytes
+) -> Future:
+    """Store an operation on a model (forward/backward, optimizer step, saves, loads) in its place."""
+    model, job = model_of(session, project, model_id)
+    request = _submit(session, job, model.id, seq_id, kind, payload)
+    return Future(request_id=request.id, model_id=model.id)
+
+
+def forward_backward(session: Session, project: Project, body: bytes, content_encoding: str | None,
+                     max_bytes: int) -> Future:  # fmt: skip
+    """A forward (``forward_only``) or forward/backward: its protobuf body, decompressed, is the payload."""
+    try:
+        message = parse_forward_backward(body, content_encoding, max_bytes=max_bytes)
+    except WireError as e:
+        raise ApiError(400, "invalid_request", str(e)) from None
+    kind = "forward" if message.forward_only else "forward_backward"
+    if message.seq_id < 1:
+        raise ApiError(400, "invalid_request", f"seq_id must be at least 1, not {message.seq_id}", param="seq_id")
+    return model_operation(session, project, model_id=message.model_id, seq_id=message.seq_id, kind=kind,
+                           payload=message.SerializeToString())  # fmt: skip
+
+
+def save_for_sampler(session: Session, project: Project, *, model_id: str, seq_id: int,
+                     sampling_session_seq_id: int | None, body: BaseModel) -> Future:  # fmt: skip
+    """Saved sampler weights; without a name, a sampler of the session on them (the SDK's
+    ``save_weights_and_get_sampling_client``), whose id the result gives."""
+    model, job = model_of(session, project, model_id)
+    sampler = None
+    if sampling_session_seq_id is not None:
+        sampler = sessions.add_sampler(session, session_id=job.id, project_id=project.id,
+                                       seq=sampling_session_seq_id, base_model=model.base_model, model_path=None,
+                                       folder=None).id  # fmt: skip
+    request = _submit(session, job, model.id, seq_id, "save_weights_for_sampler", _json(body, sampler_id=sampler))
+    return Future(request_id=request.id, model_id=model.id)
+
+
+def load_weights(session: Session, project: Project, *, path: str, optimizer: bool, model_id: str | None,
+                 seq_id: int | None, session_id: str | None, model_seq_id: int | None,
+                 user_metadata: dict[str, Any]) -> Future:  # fmt: skip
+    """Saved training weights loaded into a model of the session, or into a new one created from them."""
+    checkpoint = checkpoint_at(session, project, path, kind="weights")
+    source = sessions.get_model(session, model_id=checkpoint.model_id, project_id=project.id)
+    assert source is not None
+    payload = json.dumps({"path": path, "folder": checkpoint.path, "optimizer": optimizer}).encode()
+    if model_id is not None and seq_id is not None:
+        return model_operation(session, project, model_id=model_id, seq_id=seq_id, kind="load_weights",
+                               payload=payload)  # fmt: skip
+    if session_id is None or model_seq_id is None:
+        raise ApiError(400, "invalid_request", "load_weights needs model_id and seq_id, or session_id and model_seq_id")
+    job = live_session(session, project, session_id)
+    model = sessions.add_model(session, session_id=job.id, project_id=project.id, seq=model_seq_id,
+                               base_model=source.base_model, lora_rank=source.lora_rank,
+                               info={"lora": source.info.get("lora")}, user_metadata=user_metadata)  # fmt: skip
+    resolved = json.loads(_request_payload(session, source))["resolved"]
+    payload = json.dumps({"path": path, "folder": checkpoint.path, "optimizer": optimizer, "resolved": resolved,
+                          "lora": source.info.get("lora")}).encode()  # fmt: skip
+    request = _submit(session, job, model.id, 0, "create_model", payload)
+    return Future(request_id=request.id, model_id=model.id)
+
+
+def _request_payload(session: Session, model: SessionModel) -> bytes:
+    """The creation request of ``model`` (what it was built from)."""
+    request = sessions.request_at(session, target=model.id, seq_id=0)
+    assert request is not None, f"model {model.id} has no creation request"
+    return request.payload
+
+
+def create_sampler(session: Session, settings: Settings, project: Project, *, session_id: str, seq: int,
+                   base_model: str | None, model_path: str | None) -> SamplingSession:  # fmt: skip
+    """A sampler of saved sampler weights (``model_path``) or of a base model."""
+    job = live_session(session, project, session_id)
+    if model_path is not None:
+        checkpoint = checkpoint_at(session, project, model_path, kind="sampler_weights")
+        model = sessions.get_model(session, model_id=checkpoint.model_id, project_id=project.id)
+        assert model is not None
+        return sessions.add_sampler(session, session_id=job.id, project_id=project.id, seq=seq,
+                                    base_model=model.base_model, model_path=model_path,
+                                    folder=checkpoint.path)  # fmt: skip
+    if base_model is None:
+        raise ApiError(400, "invalid_request", "a sampling session needs model_path or base_model", param="base_model")
+    try:
+        resolved = resolve_model(session, project_id=project.id, ref=base_model, settings=settings, param="base_model")
+    except SpecReferenceError as e:
+        raise ApiError(400, e.code, e.message, param=e.param) from None
+    return sessions.add_sampler(session, session_id=job.id, project_id=project.id, seq=seq, base_model=base_model,
+                                model_path=None, folder=resolved)  # fmt: skip
+
+
+def sample(session: Session, project: Project, *, sampler_id: str, seq_id: int, num_samples: int,
+           body: BaseModel) -> Future:  # fmt: skip
+    sampler = sessions.get_sampler(session, sampler_id=sampler_id, project_id=project.id)
+    if sampler is None:
+        raise ApiError(404, "not_found", f"no sampling session {sampler_id[:120]!r}")
+    job = live_session(session, project, sampler.session_id)
+    request = _submit(session, job, sampler.id, seq_id, "sample", _json(body))
+    return Future(request_id=request.id, sample_sequence_ids=[f"{request.id}-{i}" for i in range(num_samples)])
+
+
+def future_state(session: Session, project: Project, request_id: str) -> SessionRequest:
+    request = sessions.get_request(session, request_id=request_id, project_id=project.id)
+    if request is None:
+        raise ApiError(404, "not_found", f"no request {request_id[:40]!r}")
+    return request
+
+
+# --- runs and saved weights --------------------------------------------------------------------------
+
+
+def parse_tinker_path(path: str) -> tuple[str, str, str]:
+    """(training run id, kind, name) of ``tinker://<run>/<kind>/<name>``; 400 for anything else."""
+    match = _TINKER_PATH.match(path)
+    if match is None or match.group(2) not in CHECKPOINT_KINDS:
+        raise ApiError(400, "invalid_request", f"{path[:200]!r} is not a tinker://<run>/<weights|sampler_weights>/"
+                       "<name> path", param="path")  # fmt: skip
+    run, kind, name = match.groups()
+    return run, kind, name
+
+
+def checkpoint_at(session: Session, project: Project, path: str, kind: str | None = None) -> SessionCheckpoint:
+    """The caller's saved weights at a ``tinker://`` path (of ``kind``, when given); 404 otherwise."""
+    run, found_kind, name = parse_tinker_path(path)
+    if kind is not None and found_kind != kind:
+        raise ApiError(400, "invalid_request", f"{path[:200]!r} is not a {kind} path", param="path")
+    row = sessions.get_checkpoint(session, project_id=project.id, model_id=run, kind=found_kind, name=name)
+    if row is None:
+        raise ApiError(404, "not_found", f"no saved weights at {path[:200]!r}")
+    return row
+
+
+def tinker_path(row: SessionCheckpoint) -> str:
+    return f"tinker://{row.model_id}/{row.kind}/{row.name}"
+
+
+def checkpoint_view(row: SessionCheckpoint) -> dict[str, Any]:
+    return {
+        "checkpoint_id": f"{row.kind}/{row.name}",
+        "checkpoint_type": CHECKPOINT_KINDS[row.kind],
+        "time": row.created_at.isoformat(),
+        "tinker_path": tinker_path(row),
+        "size_bytes": row.size_bytes,
+        "public": False,
+    }
+
+
+def training_run(session: Session, project: Project, model: SessionModel) -> dict[str, Any]:
+    saved, _ = sessions.list_checkpoints(session, project_id=project.id, model_id=model.id)
+    latest = {kind: next((row for row in saved if row.kind == kind), None) for kind in CHECKPOINT_KINDS}
+    return {
+        "training_run_id": model.id,
+        "base_model": model.base_model,
+        "model_owner": project.id,
+        "is_lora": model.lora_rank is not None,
+        "corrupted": False,
+        "lora_rank": model.lora_rank,
+        "last_request_time": _iso(model.last_request_at),
+        "last_checkpoint": checkpoint_view(latest["weights"]) if latest["weights"] else None,
+        "last_sampler_checkpoint": checkpoint_view(latest["sampler_weights"]) if latest["sampler_weights"] else None,
+        "user_metadata": {str(k): str(v) for k, v in model.user_metadata.items()} or None,
+    }
+
+
+def get_info(model: SessionModel) -> dict[str, Any]:
+    info = model.info
+    return {
+        "type": "get_info",
+        "model_id": model.id,
+        "model_data": {
+            "arch": info.get("arch"),
+            "model_name": model.base_model,
+            "tokenizer_id": info.get("tokenizer_id"),
+        },
+        "is_lora": model.lora_rank is not None,
+        "lora_rank": model.lora_rank,
+        "model_name": model.base_model,
+    }
+
+
+def weights_info(session: Session, project: Project, path: str) -> dict[str, Any]:
+    row = checkpoint_at(session, project, path)
+    model = sessions.get_model(session, model_id=row.model_id, project_id=project.id)
+    assert model is not None
+    lora = model.info.get("lora") or {}
+    return {
+        "base_model": model.base_model,
+        "is_lora": model.lora_rank is not None,
+        "lora_rank": model.lora_rank,
+        **{key: lora.get(key) for key in ("train_unembed", "train_mlp", "train_attn")},
+    }
+
+
+def delete_checkpoint(session: Session, settings: Settings, project: Project, run: str, checkpoint_id: str) -> None:
+    kind, _, name = checkpoint_id.partition("/")
+    row = sessions.get_checkpoint(session, project_id=project.id, model_id=run, kind=kind, name=name)
+    if row is None:
+        raise ApiError(404, "not_found", f"no checkpoint {checkpoint_id[:200]!r} of {run[:120]!r}")
+    if row.step is not None:
+        raise ApiError(400, "invalid_request", "sampler weights are a checkpoint of the session's job: they stay "
+                       "while the job does (delete the job to remove them)")  # fmt: skip
+    _remove_folder(settings.resolved_artifacts_dir / row.path)
+    sessions.delete_checkpoint(session, row=row)
+
+
+def _remove_folder(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _iso(when: datetime) -> str:
+    return when.isoformat()

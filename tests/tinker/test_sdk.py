@@ -1,0 +1,110 @@
+"""The official ``tinker`` SDK (0.38) against a real ``rlhf serve``: a user's own loops on this server's workers.
+
+One server for the module, with a tiny chat model (Qwen2 architecture, ChatML template) under its model root. Each
+test opens its own ``ServiceClient`` (its own session job)."""
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+tinker = pytest.importorskip("tinker", reason="the tinker SDK is in the dev extra")
+
+from openai import OpenAI  # noqa: E402
+from tinker import types  # noqa: E402
+
+from jobs.client import KEY_FILE, Client  # noqa: E402
+from jobs.demo import embedded_server  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
+from tests.models import build_model  # noqa: E402
+
+MODEL = "qwen2"
+"""The name of the tiny chat model under the server's model root."""
+
+
+class Served:
+    def __init__(self, client: Client, data_dir: Path) -> None:
+        self.client, self.data_dir = client, data_dir
+        self.url = client.url
+        self.key = (data_dir / KEY_FILE).read_text().strip()
+
+    def service(self) -> Any:
+        return tinker.ServiceClient(base_url=self.url, api_key=f"tml-{self.key}")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("models")
+    build_model(MODEL, root / MODEL)
+    data_dir = tmp_path_factory.mktemp("server")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RLHF_MODEL_ROOT", str(root))
+        env.setenv("RLHF_LEASE_SECONDS", "6")
+        env.setenv("TINKER_TELEMETRY", "0")
+        with embedded_server(data_dir, free_port()) as client:
+            yield Served(client, data_dir)
+
+
+def chat_datum(tokenizer: Any, prompt: str, answer: str) -> types.Datum:
+    """A supervised datum: the rendered conversation, weights on the assistant's tokens only."""
+    messages = [{"role": "user", "content": prompt}]
+    context = render(tokenizer, messages, add_generation_prompt=True)
+    tokens = render(tokenizer, [*messages, {"role": "assistant", "content": answer}])
+    weights = [0.0] * (len(context) - 1) + [1.0] * (len(tokens) - len(context))
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
+
+
+def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def mean_loss(output: Any, data: list[types.Datum]) -> float:
+    tokens = sum(sum(d.loss_fn_inputs["weights"].data) for d in data)
+    return float(output.metrics["loss:sum"]) / tokens
+
+
+def test_supervised_loop_loss_falls_and_the_weights_chat(served: Served) -> None:
+    service = served.service()
+    training = service.create_lora_training_client(base_model=MODEL, rank=8).result()
+    tokenizer = training.get_tokenizer()
+    data = [chat_datum(tokenizer, f"Say {word}", f"{word} {word} {word}") for word in ("yes", "no", "maybe", "ok")]
+    losses = []
+    for _ in range(8):
+        fwdbwd = training.forward_backward(data, "cross_entropy")
+        optim = training.optim_step(types.AdamParams(learning_rate=5e-3))
+        losses.append(mean_loss(fwdbwd.result(), data))
+        optim.result()
+    assert losses[-1] < 0.7 * losses[0], losses
+
+    saved = training.save_weights_for_sampler("sft").result()
+    assert saved.path.startswith("tinker://") and saved.path.endswith("/sampler_weights/sft")
+    session_id = training.model_id.split(":")[0]
+    job = served.client.get_job(session_id)
+    assert job["type"] == "session" and job["status"] == "running"
+    assert job["step"] == 8
+    history = served.client.request("GET", f"/v1/jobs/{session_id}/metrics",
+                                    params={"names": "train/loss_sum"})["data"]["train/loss_sum"]  # fmt: skip
+    assert [point["step"] for point in history] == list(range(1, 9))
+    [checkpoint] = served.client.request("GET", f"/v1/jobs/{session_id}/checkpoints")["data"]
+
+    openai = OpenAI(base_url=f"{served.url}/v1", api_key=served.key)
+    chat = openai.chat.completions.create(
+        model=f"job:{session_id}@{checkpoint['step']}", messages=[{"role": "user", "content": "Say yes"}],
+        max_tokens=6, temperature=0,
+    )  # fmt: skip
+    assert chat.choices[0].message.content is not None
+    service.close("success").result()
+    wait_until(lambda: served.client.get_job(session_id)["status"] == "succeeded")
+
+
+def wait_until(condition: Any, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
