@@ -108,3 +108,84 @@ def wait_until(condition: Any, timeout: float = 60) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.2)
+
+
+def even_share(tokens: list[int]) -> float:
+    """The rule reward of the RL test: the share of a response's tokens with even ids."""
+    return sum(token % 2 == 0 for token in tokens) / max(len(tokens), 1)
+
+
+def test_rl_loop_importance_sampling_raises_the_reward(served: Served) -> None:
+    """The SDK's RL shape: sample groups from the current weights, group-centred advantages in the client, one
+    importance_sampling forward_backward and an optim_step per round."""
+    service = served.service()
+    training = service.create_lora_training_client(base_model=MODEL, rank=8, seed=0).result()
+    tokenizer = training.get_tokenizer()
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("count", "say", "go", "list")]
+    rewards = []
+    for round_ in range(8):
+        params = types.SamplingParams(max_tokens=6, temperature=1.0, stop=[], seed=round_)
+        sampler = training.save_weights_and_get_sampling_client().result()
+        futures = [sampler.sample(types.ModelInput.from_ints(p), 8, params) for p in prompts]
+        data, total = [], []
+        for prompt, future in zip(prompts, futures, strict=True):
+            sequences = future.result().sequences
+            scores = [even_share(s.tokens) for s in sequences]
+            mean = sum(scores) / len(scores)
+            total += scores
+            for sequence, score in zip(sequences, scores, strict=True):
+                tokens = prompt + sequence.tokens
+                n = len(sequence.tokens)
+                data.append(types.Datum(
+                    model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": tokens[1:],
+                        "logprobs": [0.0] * (len(prompt) - 1) + list(sequence.logprobs),
+                        "advantages": [0.0] * (len(prompt) - 1) + [score - mean] * n,
+                    },
+                ))  # fmt: skip
+        rewards.append(sum(total) / len(total))
+        training.forward_backward(data, "importance_sampling").result()
+        training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.15, rewards
+    service.close("success").result()
+
+
+def test_custom_loss_and_a_saved_state_that_continues_bit_exactly(served: Served) -> None:
+    service = served.service()
+    training = service.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()
+    tokenizer = training.get_tokenizer()
+    data = [chat_datum(tokenizer, f"Name {word}", word) for word in ("red", "blue")]
+
+    def weighted_square(batch: list[types.Datum], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+        # a user loss the server does not know: the squared weighted negative log-likelihood per datum
+        terms = [
+            (-(lp * d.loss_fn_inputs["weights"].to_torch()).sum()) ** 2 for d, lp in zip(batch, logprobs, strict=True)
+        ]
+        loss = sum(terms) / len(terms)
+        return loss, {"custom": float(loss.detach())}
+
+    custom = []
+    for _ in range(3):
+        custom.append(training.forward_backward_custom(data, weighted_square).result().metrics["custom"])
+        training.optim_step(types.AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)).result()
+    assert custom[-1] < custom[0], custom
+
+    state = training.save_state("after-custom").result().path
+    adam = types.AdamParams(learning_rate=5e-3, beta1=0.8, beta2=0.99)
+
+    def steps(client: Any) -> list[float]:
+        losses = []
+        for _ in range(2):
+            losses.append(client.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+            client.optim_step(adam).result()
+        return losses
+
+    uninterrupted = steps(training)
+    resumed = service.create_training_client_from_state_with_optimizer(state).result()
+    assert steps(resumed) == uninterrupted  # bit-exact on CPU
+
+    rest = tinker.RestClient(base_url=served.url, api_key=f"tml-{served.key}")
+    listed = rest.list_checkpoints(training.model_id).result().checkpoints
+    assert [(c.checkpoint_type, c.tinker_path) for c in listed] == [("training", state)]
+    service.close("success").result()
