@@ -161,7 +161,7 @@ def create_app(
         v1.include_router(module.router)
     v1.include_router(fine_tuning.checkpoints_router)
     app.include_router(v1)
-    app.include_router(tinker.router)  # /api/v1: the tinker SDK's paths
+    app.include_router(tinker.router, responses=error_responses(400, 401, 404))  # /api/v1: the tinker SDK's paths
     app.include_router(health.router)
     app.include_router(dashboard.router)  # `/` and `/static/…`: the web dashboard, outside the schema
     app.openapi = _openapi_with_job_spec(app)  # type: ignore[method-assign]

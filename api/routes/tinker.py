@@ -10,8 +10,9 @@ import time
 from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Header, Request, Security
 from fastapi.responses import JSONResponse, Response
+from fastapi.security import APIKeyHeader
 
 from api.deps import EnqueueDep, SettingsDep
 from api.errors import ApiError
@@ -45,9 +46,13 @@ POLL_S = (0.005, 0.05)
 """The first and the longest pause between two looks at a pending request."""
 
 
+API_KEY = APIKeyHeader(name="X-API-Key", auto_error=False, description="a project key given as tml-<key>")
+"""The SDK's authentication, declared in the OpenAPI document as the Tinker routes' security scheme."""
+
+
 def tinker_project(
     settings: SettingsDep,
-    x_api_key: Annotated[str | None, Header()] = None,
+    x_api_key: Annotated[str | None, Security(API_KEY)] = None,
     x_stainless_package_version: Annotated[str | None, Header()] = None,
 ) -> Project:
     """The caller's project, for an SDK version this server speaks. Its own short database session: a long-polling

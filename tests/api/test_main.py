@@ -45,6 +45,19 @@ DESIGN_ROUTES = {
     ("post", "/v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions"),
     ("get", "/v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions"),
     ("delete", "/v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions/{permission_id}"),
+    # Tinker-compatible, the tinker SDK 0.38's paths (issue 26).
+    ("get", "/api/v1/healthz"), ("post", "/api/v1/client/config"), ("post", "/api/v1/client/dynamic_config"),
+    ("get", "/api/v1/get_server_capabilities"), ("post", "/api/v1/telemetry"),
+    ("post", "/api/v1/create_session"), ("post", "/api/v1/session_heartbeat"),
+    ("post", "/api/v1/sessions/{session_id}/finish"), ("get", "/api/v1/sessions"),
+    ("get", "/api/v1/sessions/{session_id}"), ("post", "/api/v1/create_model"), ("post", "/api/v1/get_info"),
+    ("post", "/api/v1/forward_backward"), ("post", "/api/v1/optim_step"), ("post", "/api/v1/save_weights"),
+    ("post", "/api/v1/save_weights_for_sampler"), ("post", "/api/v1/load_weights"), ("post", "/api/v1/weights_info"),
+    ("post", "/api/v1/create_sampling_session"), ("get", "/api/v1/samplers/{sampler_id}"),
+    ("post", "/api/v1/asample"), ("post", "/api/v1/retrieve_future"), ("post", "/api/v1/cancel_future"),
+    ("get", "/api/v1/training_runs"), ("get", "/api/v1/training_runs/{run_id}"),
+    ("get", "/api/v1/training_runs/{run_id}/checkpoints"), ("get", "/api/v1/checkpoints"),
+    ("delete", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}"),
 }  # fmt: skip
 
 

@@ -7,8 +7,10 @@ from starlette.routing import BaseRoute, Route
 
 from api.routes import dashboard
 
-PUBLIC = {"/healthz", "/readyz"}
-"""Answer without a key: load balancers and orchestrators probe them."""
+PUBLIC = {"/healthz", "/readyz", "/api/v1/healthz"}
+"""Answer without a key: load balancers and orchestrators probe them (the last one the tinker SDK)."""
+TINKER = "/api/v1/"
+"""The Tinker-compatible routes' prefix: authenticated by the SDK's ``X-API-Key: tml-<key>``, not a bearer token."""
 DOCS = {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 """The API's description (static: no data of any project); Swagger UI could not load it with a key."""
 DASHBOARD = dashboard.PATHS
