@@ -47,6 +47,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             yield Served(client, data_dir)
 
 
+@pytest.fixture
+def service(served: Served) -> Iterator[Any]:
+    """A ServiceClient (its own session job), closed after the test whatever happens: a failed test's client would
+    otherwise go on beating and hold the server's one train worker from the next test's session."""
+    client = served.service()
+    yield client
+    client.close("errored", "the test ended").result()  # a no-op when the test closed it
+
+
 def chat_datum(tokenizer: Any, prompt: str, answer: str) -> types.Datum:
     """A supervised datum: the rendered conversation, weights on the assistant's tokens only."""
     messages = [{"role": "user", "content": prompt}]
@@ -69,8 +78,7 @@ def mean_loss(output: Any, data: list[types.Datum]) -> float:
     return float(output.metrics["loss:sum"]) / tokens
 
 
-def test_supervised_loop_loss_falls_and_the_weights_chat(served: Served) -> None:
-    service = served.service()
+def test_supervised_loop_loss_falls_and_the_weights_chat(served: Served, service: Any) -> None:
     training = service.create_lora_training_client(base_model=MODEL, rank=8).result()
     tokenizer = training.get_tokenizer()
     data = [chat_datum(tokenizer, f"Say {word}", f"{word} {word} {word}") for word in ("yes", "no", "maybe", "ok")]
@@ -115,10 +123,9 @@ def even_share(tokens: list[int]) -> float:
     return sum(token % 2 == 0 for token in tokens) / max(len(tokens), 1)
 
 
-def test_rl_loop_importance_sampling_raises_the_reward(served: Served) -> None:
+def test_rl_loop_importance_sampling_raises_the_reward(service: Any) -> None:
     """The SDK's RL shape: sample groups from the current weights, group-centred advantages in the client, one
     importance_sampling forward_backward and an optim_step per round."""
-    service = served.service()
     training = service.create_lora_training_client(base_model=MODEL, rank=8, seed=0).result()
     tokenizer = training.get_tokenizer()
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("count", "say", "go", "list")]
@@ -151,8 +158,7 @@ def test_rl_loop_importance_sampling_raises_the_reward(served: Served) -> None:
     service.close("success").result()
 
 
-def test_custom_loss_and_a_saved_state_that_continues_bit_exactly(served: Served) -> None:
-    service = served.service()
+def test_custom_loss_and_a_saved_state_that_continues_bit_exactly(served: Served, service: Any) -> None:
     training = service.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()
     tokenizer = training.get_tokenizer()
     data = [chat_datum(tokenizer, f"Name {word}", word) for word in ("red", "blue")]
@@ -188,4 +194,71 @@ def test_custom_loss_and_a_saved_state_that_continues_bit_exactly(served: Served
     rest = tinker.RestClient(base_url=served.url, api_key=f"tml-{served.key}")
     listed = rest.list_checkpoints(training.model_id).result().checkpoints
     assert [(c.checkpoint_type, c.tinker_path) for c in listed] == [("training", state)]
+    service.close("success").result()
+
+
+def turns(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[float]]:
+    """A conversation's tokens rendered message by message (ChatML renders a prefix as the whole does), weighted 1
+    on the assistant's tokens only: the user's and the tool's are context."""
+    tokens: list[int] = []
+    weights: list[float] = []
+    for i, message in enumerate(messages):
+        rendered = render(tokenizer, messages[: i + 1])
+        assert rendered[: len(tokens)] == tokens
+        new = rendered[len(tokens) :]
+        tokens, weights = rendered, weights + [float(message["role"] == "assistant")] * len(new)
+    return tokens, weights
+
+
+def test_a_multi_turn_loop_with_a_tool_answer_trains_on_the_models_tokens(service: Any) -> None:
+    training = service.create_lora_training_client(base_model=MODEL, rank=8, seed=2).result()
+    tokenizer = training.get_tokenizer()
+    data = []
+    for city, degrees in (("Paris", "18"), ("Oslo", "4")):
+        tokens, weights = turns(tokenizer, [
+            {"role": "user", "content": f"How warm is {city}?"},
+            {"role": "assistant", "content": f"weather({city})"},
+            {"role": "tool", "content": f"{degrees} degrees"},
+            {"role": "assistant", "content": f"It is {degrees} degrees in {city}."},
+        ])  # fmt: skip
+        assert 0 < sum(weights) < len(weights)
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]}))  # fmt: skip
+    losses = []
+    for _ in range(8):
+        output = training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        losses.append(output.metrics["loss:sum"])
+        # the tool's and the user's tokens carry no loss
+        for datum, out in zip(data, output.loss_fn_outputs, strict=True):
+            unweighted = [x for x, w in zip(out["elementwise_loss"].data, datum.loss_fn_inputs["weights"].data,
+                                            strict=True) if w == 0]  # fmt: skip
+            assert unweighted and all(x == 0 for x in unweighted)
+    assert losses[-1] < 0.7 * losses[0], losses
+    service.close("success").result()
+
+
+def test_bad_input_fails_the_request_as_the_users_and_the_session_goes_on(service: Any) -> None:
+    training = service.create_lora_training_client(base_model=MODEL, rank=4).result()
+    vocab = training.get_tokenizer().vocab_size
+    good = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                       loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})  # fmt: skip
+    outside = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                          loss_fn_inputs={"target_tokens": [2, vocab + 5, 4], "weights": [1.0, 1.0, 1.0]})  # fmt: skip
+    short = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                        loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})  # fmt: skip
+    for data, loss, named in (
+        ([good, outside], "cross_entropy", "data[1].loss_fn_inputs.target_tokens"),
+        ([short], "cross_entropy", "data[0].loss_fn_inputs.target_tokens"),
+        ([good], "importance_sampling", "data[0].loss_fn_inputs"),
+    ):
+        with pytest.raises(tinker.RequestFailedError) as failure:
+            training.forward_backward(data, loss).result()
+        assert failure.value.category == "user" and named in failure.value.message, failure.value.message
+    with pytest.raises(tinker.RequestFailedError) as unknown:
+        training.forward_backward([good], "dro").result()
+    assert unknown.value.category == "user" and "loss_fn 'dro' is not supported" in unknown.value.message
+    # the session and its model are unharmed
+    assert training.forward_backward([good], "cross_entropy").result().metrics["loss:sum"] > 0
+    training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     service.close("success").result()
