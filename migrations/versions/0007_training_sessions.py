@@ -120,6 +120,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # 0006's code knows no session jobs: they go, with their metrics, events and checkpoint rows
+    op.execute("DELETE FROM jobs WHERE type = 'session'")
     for table in ("session_checkpoints", "session_requests", "sampling_sessions", "session_models"):
         op.drop_table(table)
     op.drop_table("training_sessions")

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from api.routes import tinker as routes
 from jobs.store import sessions
@@ -15,6 +17,7 @@ from jobs.store.db import session_scope
 from jobs.store.settings import Settings
 from tests.api.helpers import Calls
 from tests.factories import Project, new_project
+from tests.security.routes import PUBLIC, TINKER, every_route
 
 SDK = {"X-Stainless-Package-Version": "0.38.0"}
 
@@ -150,3 +153,91 @@ def test_a_bad_path_or_base_model_is_a_400_naming_it(api: TestClient) -> None:
     garbage = api.post("/api/v1/forward_backward", content=b"\xff\x00garbage",
                        headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
     assert garbage.status_code == 400
+
+
+def test_every_tinker_route_keeps_another_projects_sessions_models_and_weights_out_of_sight(
+    api: TestClient, app: FastAPI, project: Project, settings: Settings
+) -> None:
+    """The Tinker routes' isolation walk (tests/security/test_isolation.py walks the bearer-token routes): another
+    project's key, given this project's session, model, sampler, request and saved weights by their ids, gets 404 or
+    an empty list from every route, and changes nothing."""
+    session_id = session_of(api)
+    future = create_model(api, session_id)
+    model_id, request_id = future["model_id"], future["request_id"]
+    sampler = api.post("/api/v1/create_sampling_session", json={"session_id": session_id, "sampling_session_seq_id": 0,
+                                                                "base_model": "builtin:tiny"})  # fmt: skip
+    sampler_id = sampler.json()["sampling_session_id"]
+    with session_scope(settings.resolved_database_url) as session:
+        for kind in ("weights", "sampler_weights"):
+            sessions.add_checkpoint(session, session_id=session_id, project_id=project.id, model_id=model_id,
+                                    kind=kind, name="a", path=f"sessions/{kind}", step=None, size_bytes=1)  # fmt: skip
+    weights, sampler_weights = f"tinker://{model_id}/weights/a", f"tinker://{model_id}/sampler_weights/a"
+    fwdbwd = forward_backward_request_to_proto(types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3]})],
+            loss_fn="cross_entropy"),
+        model_id=model_id, seq_id=1,
+    )).SerializeToString()  # fmt: skip
+    hidden = {  # (method, path): the call, with this project's ids
+        ("POST", "/api/v1/session_heartbeat"): {"json": {"session_id": session_id}},
+        ("POST", "/api/v1/sessions/{session_id}/finish"): {"json": {"reason": {"type": "success"}}},
+        ("GET", "/api/v1/sessions/{session_id}"): {},
+        ("POST", "/api/v1/create_model"): {"json": {"session_id": session_id, "model_seq_id": 5,
+                                                    "base_model": "builtin:tiny"}},  # fmt: skip
+        ("POST", "/api/v1/get_info"): {"json": {"model_id": model_id}},
+        ("POST", "/api/v1/forward_backward"): {"content": fwdbwd,
+                                               "headers": {"Content-Type": "application/x-protobuf"}},  # fmt: skip
+        ("POST", "/api/v1/optim_step"): {"json": {"model_id": model_id, "seq_id": 1, "adam_params": {}}},
+        ("POST", "/api/v1/save_weights"): {"json": {"model_id": model_id, "seq_id": 1, "path": "b"}},
+        ("POST", "/api/v1/save_weights_for_sampler"): {"json": {"model_id": model_id, "seq_id": 1, "path": "b"}},
+        ("POST", "/api/v1/load_weights"): {"json": {"path": weights, "session_id": session_id, "model_seq_id": 5}},
+        ("POST", "/api/v1/create_sampling_session"): {"json": {"session_id": session_id, "sampling_session_seq_id": 5,
+                                                               "model_path": sampler_weights}},  # fmt: skip
+        ("GET", "/api/v1/samplers/{sampler_id}"): {},
+        ("POST", "/api/v1/asample"): {"json": {"sampling_session_id": sampler_id, "seq_id": 1, "prompt": {"chunks": []},
+                                               "sampling_params": {}}},  # fmt: skip
+        ("POST", "/api/v1/retrieve_future"): {"json": {"request_id": request_id}},
+        ("POST", "/api/v1/cancel_future"): {"json": {"request_id": request_id}},
+        ("GET", "/api/v1/training_runs/{run_id}"): {},
+        ("GET", "/api/v1/training_runs/{run_id}/checkpoints"): {},
+        ("DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}"): {},
+        ("POST", "/api/v1/weights_info"): {"json": {"tinker_path": weights}},
+    }
+    listing = {("GET", "/api/v1/sessions"): "sessions", ("GET", "/api/v1/training_runs"): "training_runs",
+               ("GET", "/api/v1/checkpoints"): "checkpoints"}  # fmt: skip
+    project_free = {  # no project's data: the server's own description, or the caller's new session
+        ("POST", "/api/v1/client/config"): {"json": {"sdk_version": "0.38.0"}},
+        ("POST", "/api/v1/client/dynamic_config"): {"json": {}},
+        ("GET", "/api/v1/get_server_capabilities"): {},
+        ("POST", "/api/v1/telemetry"): {"json": {}},
+        ("POST", "/api/v1/create_session"): {"json": {"sdk_version": "0.38.0"}},
+    }
+    ids = {"{session_id}": session_id, "{sampler_id}": sampler_id, "{run_id}": model_id, "{kind}": "weights",
+           "{name}": "a"}  # fmt: skip
+    other = TestClient(app, headers=headers(new_project(settings, "other")))
+    walked = set()
+    for route in [*hidden, *listing, *project_free]:
+        method, path = route
+        for placeholder, value in ids.items():
+            path = path.replace(placeholder, value)
+        answer = other.request(method, path, **hidden.get(route, project_free.get(route, {})))
+        walked.add(route)
+        if route in hidden:
+            assert answer.status_code == 404, (route, answer.text)
+        else:
+            assert answer.status_code == 200, (route, answer.text)
+            for owned in (session_id, model_id, sampler_id, request_id):
+                assert owned not in answer.text, (route, answer.text)
+            if route in listing:
+                assert answer.json()[listing[route]] == [], route
+    tinker_routes = {(m, p) for m, p in every_route(app) if p.startswith(TINKER) and p not in PUBLIC}
+    assert walked == tinker_routes  # a new route is walked here too
+
+    # and nothing of this project changed
+    assert api.post("/api/v1/session_heartbeat", json={"session_id": session_id}).status_code == 200
+    listed = api.get(f"/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+    assert sorted(c["checkpoint_id"] for c in listed) == ["sampler_weights/a", "weights/a"]
+    with session_scope(settings.resolved_database_url) as session:
+        assert [(r.kind, r.seq_id) for r in sessions.pending_requests(session, session_id=session_id)] == [
+            ("create_model", 0)
+        ]

@@ -187,7 +187,7 @@ def test_0006_upgrades_stored_kl_estimators_with_a_warning_for_unfinished_jobs(b
                 connection.execute(insert_job, {**values, "spec": json.dumps(spec)})
         engine.dispose()
 
-        migrate.upgrade(bare_url)
+        migrate.upgrade(bare_url, "0006")
         assert query(engine, "SELECT version_num FROM alembic_version") == [("0006",)]
         stored = {job_id: json.loads(spec) for job_id, spec in query(engine, "SELECT id, CAST(spec AS TEXT) FROM jobs")}
         assert {job_id: spec["hyperparameters"]["kl_estimator"] for job_id, spec in stored.items()} == {
@@ -207,5 +207,65 @@ def test_0006_upgrades_stored_kl_estimators_with_a_warning_for_unfinished_jobs(b
         stored = {job_id: json.loads(spec) for job_id, spec in query(engine, "SELECT id, CAST(spec AS TEXT) FROM jobs")}
         assert stored["job_paused"]["hyperparameters"]["kl_estimator"] == "k1"
         assert stored["job_term"]["hyperparameters"]["kl_estimator"] == "k3"
+    finally:
+        engine.dispose()
+
+
+SESSION_TABLES = {"training_sessions", "session_models", "sampling_sessions", "session_requests", "session_checkpoints"}
+
+
+def test_0007_adds_training_sessions_and_downgrades_without_them(bare_url: str) -> None:
+    migrate.upgrade(bare_url, "0006")
+    engine = db.make_engine(bare_url)
+    insert_job = sa.text(
+        "INSERT INTO jobs (id, project_id, type, status, spec, attempt, step, latest_metrics, created_at, updated_at) "
+        "VALUES (:id, 'p', :type, 'running', '{}', 1, 0, '{}', :now, :now)"
+    )
+    try:
+        now = datetime.now(UTC)
+        with engine.begin() as connection:
+            connection.execute(
+                sa.text("INSERT INTO projects (id, name, created_at) VALUES ('p', 'test', :now)"), {"now": now}
+            )
+            connection.execute(insert_job, {"id": "job_sft", "type": "sft", "now": now})
+        engine.dispose()
+
+        migrate.upgrade(bare_url, "0007")
+        assert query(engine, "SELECT version_num FROM alembic_version") == [("0007",)]
+        assert SESSION_TABLES <= set(sa.inspect(engine).get_table_names())
+        with engine.begin() as connection:  # a live session with one operation in flight
+            connection.execute(insert_job, {"id": "job_session", "type": "session", "now": now})
+            connection.execute(
+                sa.text(
+                    "INSERT INTO training_sessions (id, project_id, sdk_version, heartbeat_at, user_metadata, "
+                    "created_at) VALUES ('job_session', 'p', '0.38.0', :now, '{}', :now)"
+                ),
+                {"now": now},
+            )
+            connection.execute(
+                sa.text(
+                    "INSERT INTO session_requests (id, session_id, project_id, target, seq_id, kind, payload, status, "
+                    "created_at) VALUES ('r1', 'job_session', 'p', 'model_1', 1, 'optim_step', :body, 'pending', :now)"
+                ),
+                {"body": b"{}", "now": now},
+            )
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as connection:  # one operation per sequence number
+            connection.execute(
+                sa.text(
+                    "INSERT INTO session_requests (id, session_id, project_id, target, seq_id, kind, payload, status, "
+                    "created_at) VALUES ('r2', 'job_session', 'p', 'model_1', 1, 'optim_step', :body, 'pending', :now)"
+                ),
+                {"body": b"{}", "now": now},
+            )
+        engine.dispose()
+
+        command.downgrade(migrate.alembic_config(bare_url), "0006")
+        assert query(engine, "SELECT version_num FROM alembic_version") == [("0006",)]
+        assert not SESSION_TABLES & set(sa.inspect(engine).get_table_names())
+        assert query(engine, "SELECT id FROM jobs") == [("job_sft",)]  # 0006's code reads no session jobs
+        engine.dispose()
+
+        migrate.upgrade(bare_url)  # and up again
+        assert query(engine, "SELECT count(*) FROM training_sessions") == [(0,)]
     finally:
         engine.dispose()
