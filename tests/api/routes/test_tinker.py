@@ -178,24 +178,25 @@ def test_every_tinker_route_keeps_another_projects_sessions_models_and_weights_o
             loss_fn="cross_entropy"),
         model_id=model_id, seq_id=1,
     )).SerializeToString()  # fmt: skip
+    # fmt: off
     hidden = {  # (method, path): the call, with this project's ids
         ("POST", "/api/v1/session_heartbeat"): {"json": {"session_id": session_id}},
         ("POST", "/api/v1/sessions/{session_id}/finish"): {"json": {"reason": {"type": "success"}}},
         ("GET", "/api/v1/sessions/{session_id}"): {},
         ("POST", "/api/v1/create_model"): {"json": {"session_id": session_id, "model_seq_id": 5,
-                                                    "base_model": "builtin:tiny"}},  # fmt: skip
+                                                    "base_model": "builtin:tiny"}},
         ("POST", "/api/v1/get_info"): {"json": {"model_id": model_id}},
         ("POST", "/api/v1/forward_backward"): {"content": fwdbwd,
-                                               "headers": {"Content-Type": "application/x-protobuf"}},  # fmt: skip
+                                               "headers": {"Content-Type": "application/x-protobuf"}},
         ("POST", "/api/v1/optim_step"): {"json": {"model_id": model_id, "seq_id": 1, "adam_params": {}}},
         ("POST", "/api/v1/save_weights"): {"json": {"model_id": model_id, "seq_id": 1, "path": "b"}},
         ("POST", "/api/v1/save_weights_for_sampler"): {"json": {"model_id": model_id, "seq_id": 1, "path": "b"}},
         ("POST", "/api/v1/load_weights"): {"json": {"path": weights, "session_id": session_id, "model_seq_id": 5}},
         ("POST", "/api/v1/create_sampling_session"): {"json": {"session_id": session_id, "sampling_session_seq_id": 5,
-                                                               "model_path": sampler_weights}},  # fmt: skip
+                                                               "model_path": sampler_weights}},
         ("GET", "/api/v1/samplers/{sampler_id}"): {},
         ("POST", "/api/v1/asample"): {"json": {"sampling_session_id": sampler_id, "seq_id": 1, "prompt": {"chunks": []},
-                                               "sampling_params": {}}},  # fmt: skip
+                                               "sampling_params": {}}},
         ("POST", "/api/v1/retrieve_future"): {"json": {"request_id": request_id}},
         ("POST", "/api/v1/cancel_future"): {"json": {"request_id": request_id}},
         ("GET", "/api/v1/training_runs/{run_id}"): {},
@@ -203,8 +204,12 @@ def test_every_tinker_route_keeps_another_projects_sessions_models_and_weights_o
         ("DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}"): {},
         ("POST", "/api/v1/weights_info"): {"json": {"tinker_path": weights}},
     }
-    listing = {("GET", "/api/v1/sessions"): "sessions", ("GET", "/api/v1/training_runs"): "training_runs",
-               ("GET", "/api/v1/checkpoints"): "checkpoints"}  # fmt: skip
+    # fmt: on
+    listing = {
+        ("GET", "/api/v1/sessions"): "sessions",
+        ("GET", "/api/v1/training_runs"): "training_runs",
+        ("GET", "/api/v1/checkpoints"): "checkpoints",
+    }
     project_free = {  # no project's data: the server's own description, or the caller's new session
         ("POST", "/api/v1/client/config"): {"json": {"sdk_version": "0.38.0"}},
         ("POST", "/api/v1/client/dynamic_config"): {"json": {}},

@@ -232,7 +232,7 @@ def test_0007_adds_training_sessions_and_downgrades_without_them(bare_url: str) 
 
         migrate.upgrade(bare_url, "0007")
         assert query(engine, "SELECT version_num FROM alembic_version") == [("0007",)]
-        assert SESSION_TABLES <= set(sa.inspect(engine).get_table_names())
+        assert set(sa.inspect(engine).get_table_names()) >= SESSION_TABLES
         with engine.begin() as connection:  # a live session with one operation in flight
             connection.execute(insert_job, {"id": "job_session", "type": "session", "now": now})
             connection.execute(
