@@ -8,6 +8,7 @@ until a condition holds. Standard library only, so that any test may import them
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -31,3 +32,19 @@ def wait_until(condition: Callable[[], T | None], timeout: float, what: str, con
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{context()}")
         time.sleep(0.05)
+
+
+def children_running(parent: int, marker: str) -> list[int]:
+    """Pids of ``parent``'s child processes whose command line contains ``marker``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and marker in cmdline:
+            found.append(int(proc.name))
+    return found

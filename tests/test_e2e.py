@@ -14,7 +14,7 @@ import pytest
 from engine.builtin import DATASETS
 from jobs.client import Client, ClientError
 from jobs.demo import embedded_server
-from tests.helpers import free_port
+from tests.helpers import children_running, free_port
 
 
 @pytest.fixture(scope="module")
@@ -183,22 +183,6 @@ def test_a_pipeline_in_one_request_runs_to_the_end(server: tuple[Client, Path], 
         job = wait_for(c, jobs[name]["id"], finished, timeout=30)
         assert (job["status"], job["error"]["code"]) == ("failed", "dependency_failed"), job
         assert jobs["sft"]["id"] in job["error"]["message"]
-
-
-def children_running(parent: int, marker: str) -> list[int]:
-    """Pids of ``parent``'s child processes whose command line contains ``marker``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent and marker in cmdline:
-            found.append(int(proc.name))
-    return found
 
 
 def test_cli_client_and_worker_restart(server: tuple[Client, Path], tmp_path: Path) -> None:

@@ -118,9 +118,12 @@ def session_heartbeat(body: SessionHeartbeatRequest, settings: SettingsDep, proj
 
 @router.post("/sessions/{session_id}/finish")
 def finish_session(session_id: str, body: FinishSessionRequest, settings: SettingsDep, project: TinkerProject) -> None:
+    """The client closes its session; closing one that has ended already (cancelled, timed out) changes nothing."""
     with _db(settings) as session:
-        job = service.live_session(session, project, session_id, status=410)
-        sessions.finish(session, session_id=job.id, reason=body.reason.type)
+        row = sessions.get_session(session, session_id=session_id[:40], project_id=project.id)
+        if row is None:
+            raise ApiError(404, "not_found", f"no session {session_id[:40]!r}")
+        sessions.finish(session, session_id=row.id, reason=body.reason.type)
 
 
 @router.get("/sessions")

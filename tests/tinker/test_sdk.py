@@ -3,6 +3,9 @@
 One server for the module, with a tiny chat model (Qwen2 architecture, ChatML template) under its model root. Each
 test opens its own ``ServiceClient`` (its own session job)."""
 
+import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +20,7 @@ from tinker import types  # noqa: E402
 
 from jobs.client import KEY_FILE, Client  # noqa: E402
 from jobs.demo import embedded_server  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from tests.helpers import children_running, free_port  # noqa: E402
 from tests.models import build_model  # noqa: E402
 
 MODEL = "qwen2"
@@ -195,6 +198,43 @@ def test_custom_loss_and_a_saved_state_that_continues_bit_exactly(served: Served
     listed = rest.list_checkpoints(training.model_id).result().checkpoints
     assert [(c.checkpoint_type, c.tinker_path) for c in listed] == [("training", state)]
     service.close("success").result()
+
+
+def test_a_worker_lost_mid_session_fails_its_futures_and_the_last_save_continues_exactly(
+    served: Served, service: Any
+) -> None:
+    training = service.create_lora_training_client(base_model=MODEL, rank=4, seed=3).result()
+    tokenizer = training.get_tokenizer()
+    data = [chat_datum(tokenizer, f"Spell {word}", " ".join(word)) for word in ("cat", "dog")]
+    adam = types.AdamParams(learning_rate=5e-3)
+
+    def step(client: Any) -> float:
+        fwdbwd = client.forward_backward(data, "cross_entropy")
+        client.optim_step(adam).result()
+        return float(fwdbwd.result().metrics["loss:sum"])
+
+    step(training)
+    state = training.save_state("before-the-loss").result().path
+    uninterrupted = [step(training), step(training)]
+
+    serve_pid = json.loads((served.data_dir / "server.json").read_text())["pid"]
+    [worker] = children_running(serve_pid, "--queues train")
+    os.kill(worker, signal.SIGKILL)
+    with pytest.raises(tinker.RequestFailedError) as lost:
+        training.forward_backward(data, "cross_entropy").result()
+    assert lost.value.category == "server" and "create_training_client_from_state" in lost.value.message
+
+    resumed = service.create_training_client_from_state_with_optimizer(state).result()  # on the new worker
+    assert [step(resumed), step(resumed)] == uninterrupted
+    session_id = training.model_id.split(":")[0]
+    kinds = [(e["kind"], e["message"]) for e in served.client.request("GET", f"/v1/jobs/{session_id}/events")["data"]]
+    assert ("warning", "worker lost; the job was requeued") in kinds
+
+    # and the session is cancelled like any job: the worker is freed, the client's next request is refused
+    assert served.client.request("POST", f"/v1/jobs/{session_id}/cancel")["status"] in ("cancelling", "cancelled")
+    wait_until(lambda: served.client.get_job(session_id)["status"] == "cancelled")
+    with pytest.raises(tinker.BadRequestError, match="has ended"):
+        resumed.forward_backward(data, "cross_entropy").result()
 
 
 def turns(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[float]]:

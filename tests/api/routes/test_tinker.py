@@ -83,6 +83,9 @@ def test_a_session_is_a_queued_job_sent_to_the_train_workers(api: TestClient, cl
     assert paused.status_code == 409 and "session" in paused.json()["error"]["message"]
     assert client.post(f"/v1/jobs/{session_id}/cancel").json()["status"] == "cancelled"
     assert api.post("/api/v1/session_heartbeat", json={"session_id": session_id}).status_code == 410  # ended
+    closed = api.post(f"/api/v1/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
+    assert closed.status_code == 200  # the client's close after a cancel is no error
+    assert client.get(f"/v1/jobs/{session_id}").json()["status"] == "cancelled"
 
 
 def test_a_request_is_stored_once_per_model_and_seq_id(api: TestClient, settings: Settings) -> None:
