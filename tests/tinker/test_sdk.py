@@ -111,7 +111,14 @@ def test_supervised_loop_loss_falls_and_the_weights_chat(served: Served, service
     )  # fmt: skip
     assert chat.choices[0].message.content is not None
     service.close("success").result()
-    wait_until(lambda: served.client.get_job(session_id)["status"] == "succeeded")
+    wait_until(lambda: served.client.get_job(session_id)["status"] == "succeeded")  # the train worker is free
+
+    # the saved weights are a model for any later job
+    sft = served.client.create_job({"type": "sft", "model": f"job:{session_id}@{checkpoint['step']}",
+                                    "dataset": "builtin:reviews-sft",
+                                    "hyperparameters": {"max_steps": 2, "batch_size": 4}})  # fmt: skip
+    wait_until(lambda: served.client.get_job(sft["id"])["status"] in ("succeeded", "failed"))
+    assert served.client.get_job(sft["id"])["status"] == "succeeded", served.client.get_job(sft["id"])["error"]
 
 
 def wait_until(condition: Any, timeout: float = 60) -> None:
