@@ -41,6 +41,11 @@ def files_columns(engine: sa.Engine) -> dict[str, sa.types.TypeEngine]:
     return {column["name"]: column["type"] for column in sa.inspect(engine).get_columns("files")}
 
 
+def add_project(connection: sa.Connection, now: datetime) -> None:
+    """Project ``p``, which the test's rows belong to."""
+    connection.execute(sa.text("INSERT INTO projects (id, name, created_at) VALUES ('p', 'test', :now)"), {"now": now})
+
+
 def query(engine: sa.Engine, sql: str) -> list[tuple[object, ...]]:
     with engine.connect() as connection:
         return [tuple(row) for row in connection.execute(sa.text(sql))]
@@ -52,9 +57,7 @@ def test_0004_fills_files_kind_from_purpose_and_downgrades(bare_url: str) -> Non
     try:
         now = datetime.now(UTC)
         with engine.begin() as connection:
-            connection.execute(
-                sa.text("INSERT INTO projects (id, name, created_at) VALUES ('p', 'test', :now)"), {"now": now}
-            )
+            add_project(connection, now)
             for purpose in ("sft", "rm", "ppo"):
                 connection.execute(
                     sa.text(
@@ -119,9 +122,7 @@ def test_0005_adds_sent_at_pipeline_keys_and_dependencies_and_downgrades(bare_ur
     try:
         now = datetime.now(UTC)
         with engine.begin() as connection:
-            connection.execute(
-                sa.text("INSERT INTO projects (id, name, created_at) VALUES ('p', 'test', :now)"), {"now": now}
-            )
+            add_project(connection, now)
             connection.execute(insert_job, {"id": "job_old", "key": "k", "now": now})
         engine.dispose()
 
@@ -179,9 +180,7 @@ def test_0006_upgrades_stored_kl_estimators_with_a_warning_for_unfinished_jobs(b
     try:
         now = datetime.now(UTC)
         with engine.begin() as connection:
-            connection.execute(
-                sa.text("INSERT INTO projects (id, name, created_at) VALUES ('p', 'test', :now)"), {"now": now}
-            )
+            add_project(connection, now)
             for job_id, spec in specs.items():
                 values = {"id": job_id, "type": spec["type"], "status": statuses[job_id], "now": now}
                 connection.execute(insert_job, {**values, "spec": json.dumps(spec)})
@@ -224,9 +223,7 @@ def test_0007_adds_training_sessions_and_downgrades_without_them(bare_url: str) 
     try:
         now = datetime.now(UTC)
         with engine.begin() as connection:
-            connection.execute(
-                sa.text("INSERT INTO projects (id, name, created_at) VALUES ('p', 'test', :now)"), {"now": now}
-            )
+            add_project(connection, now)
             connection.execute(insert_job, {"id": "job_sft", "type": "sft", "now": now})
         engine.dispose()
 
