@@ -198,7 +198,8 @@ def test_every_estimator_trains(digits_sft: Path, tmp_path, estimator: str, opti
     assert rec.metrics[1]["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # step 1 samples the reference itself
     kl_in_reward = spec.config.kl_as_reward  # type: ignore[attr-defined]
     assert (rec.metrics[2]["loss/kl"] == 0.0) == kl_in_reward
-    assert rec.metrics[2]["objective/kl"] > 0  # the first update moved the policy
+    # the first update moved the policy (k1, the mean log-ratio, may come out either side of 0)
+    assert abs(rec.metrics[2]["objective/kl"]) > 1e-6
     if options.get("num_iterations") == 2:  # the second pass is off-policy: ratios leave 1
         assert rec.metrics[2]["policy/approxkl"] > 0
 
