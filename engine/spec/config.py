@@ -920,7 +920,7 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
             "teacher": "stage:grpo",
             "eval_reward": digits.GRADER,
             "hyperparameters": {
-                "total_steps": 160,
+                "total_steps": 240,
                 "batch_size": 32,
                 "group_size": 4,
                 "mini_batch_size": 128,

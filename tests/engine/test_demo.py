@@ -50,6 +50,8 @@ def test_distill_pipeline_brings_the_sft_model_to_its_grpo_teacher(demo_dir: Pat
     assert report.rm_eval_accuracy is None and report.trained.score is None
     assert report.teacher.kl == 0.0  # the teacher is its own reference
     assert report.trained.kl <= 0.5 * report.sft.kl, (report.sft.kl, report.trained.kl)  # reverse KL to the teacher
-    assert report.trained.success >= 0.9 * report.teacher.success, (report.trained.success, report.teacher.success)
+    # the student closes most of the gap to its teacher's accuracy
+    gained, gap = report.trained.success - report.sft.success, report.teacher.success - report.sft.success
+    assert gained >= 0.75 * gap, (report.sft.success, report.trained.success, report.teacher.success)
     assert report.teacher.success >= report.sft.success + 0.3
     assert "reverse KL to teacher" in report.table() and "teacher (GRPO)" in report.table()
