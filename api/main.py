@@ -19,7 +19,6 @@ from api.routes import (
     files,
     fine_tuning,
     generate,
-    graders,
     health,
     job_types,
     jobs,
@@ -158,7 +157,6 @@ def create_app(
         generate,
         openai_routes,
         fine_tuning,
-        graders,
     ):
         v1.include_router(module.router)
     v1.include_router(fine_tuning.checkpoints_router)
