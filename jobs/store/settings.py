@@ -68,10 +68,10 @@ class Settings(BaseSettings):
     lease_seconds: int = 120
     """How long a training worker's claim on a job lasts without a heartbeat."""
     max_attempts: int = 3
+    """Runs of a job (the first plus retries after a lost worker) before it fails with ``worker_lost``."""
     session_timeout_seconds: int = Field(default=120, ge=1)
     """A training session of the Tinker-compatible API ends (its worker freed, its saved weights kept) once its
     client has sent no heartbeat for this long; the SDK sends one every 10 s."""
-    """Runs of a job (the first plus retries after a lost worker) before it fails with ``worker_lost``."""
     resend_seconds: int = Field(default=600, ge=1)
     """A queued job no worker has claimed this long after its message went to the broker is sent again, once per
     this many seconds (a message the broker lost; a duplicate is a no-op, the claim being guarded). A job whose
