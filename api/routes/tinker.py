@@ -120,9 +120,7 @@ def session_heartbeat(body: SessionHeartbeatRequest, settings: SettingsDep, proj
 def finish_session(session_id: str, body: FinishSessionRequest, settings: SettingsDep, project: TinkerProject) -> None:
     """The client closes its session; closing one that has ended already (cancelled, timed out) changes nothing."""
     with _db(settings) as session:
-        row = sessions.get_session(session, session_id=session_id[:40], project_id=project.id)
-        if row is None:
-            raise ApiError(404, "not_found", f"no session {session_id[:40]!r}")
+        row = service.owned_session(session, project, session_id)
         sessions.finish(session, session_id=row.id, reason=body.reason.type)
 
 
@@ -137,9 +135,7 @@ def list_sessions(settings: SettingsDep, project: TinkerProject, limit: int = 20
 @router.get("/sessions/{session_id}")
 def get_session(session_id: str, settings: SettingsDep, project: TinkerProject) -> dict[str, Any]:
     with _db(settings) as session:
-        row = sessions.get_session(session, session_id=session_id[:40], project_id=project.id)
-        if row is None:
-            raise ApiError(404, "not_found", f"no session {session_id[:40]!r}")
+        row = service.owned_session(session, project, session_id)
         return {
             "training_run_ids": [model.id for model in sessions.models_of(session, session_id=row.id)],
             "sampler_ids": [sampler.id for sampler in sessions.samplers_of(session, session_id=row.id)],

@@ -30,6 +30,7 @@ from jobs.store.models import (
     SessionCheckpoint,
     SessionModel,
     SessionRequest,
+    TrainingSession,
 )
 from jobs.store.refs import SpecReferenceError, resolve_model
 from jobs.store.settings import Settings
@@ -108,10 +109,17 @@ def start_session(
     return job
 
 
+def owned_session(session: Session, project: Project, session_id: str) -> TrainingSession:
+    """The caller's session, ended or not; 404 for another project's or none."""
+    row = sessions.get_session(session, session_id=session_id[:40], project_id=project.id)
+    if row is None:
+        raise ApiError(404, "not_found", f"no session {session_id[:40]!r}")
+    return row
+
+
 def live_session(session: Session, project: Project, session_id: str, status: int = 400) -> Job:
     """The caller's session job, still running; 404 for none, ``status`` (400; 410 for a heartbeat) once it ended."""
-    row = sessions.get_session(session, session_id=session_id[:40], project_id=project.id)
-    job = crud.get_job(session, job_id=row.id) if row is not None else None
+    job = crud.get_job(session, job_id=owned_session(session, project, session_id).id)
     if job is None:
         raise ApiError(404, "not_found", f"no session {session_id[:40]!r}")
     if job.status in FINAL_STATUSES:
