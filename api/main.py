@@ -19,6 +19,7 @@ from api.routes import (
     files,
     fine_tuning,
     generate,
+    graders,
     health,
     job_types,
     jobs,
@@ -157,6 +158,7 @@ def create_app(
         generate,
         openai_routes,
         fine_tuning,
+        graders,
     ):
         v1.include_router(module.router)
     v1.include_router(fine_tuning.checkpoints_router)

@@ -306,8 +306,9 @@ class DpoMethod(_Request):
 
 class ReinforcementMethod(_Request):
     grader: dict[str, Any]
-    """The reward: an OpenAI grader (``string_check``, ``text_similarity``, ``multi``; ``python`` names a function
-    the server allows) or this service's ``model`` and ``http`` rewards; see the job spec's ``reward``."""
+    """The reward: an OpenAI grader (``string_check``, ``text_similarity``, ``score_model`` and ``label_model``
+    judged by the server's judges, ``python`` with ``source``, run in a sandbox, or a ``function`` the server
+    allows, ``multi``) or this service's ``model`` and ``http`` rewards; see the job spec's ``reward``."""
     hyperparameters: ReinforcementHyperparameters | None = None
 
 

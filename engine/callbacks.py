@@ -3,6 +3,8 @@
 from pathlib import Path
 from typing import Any, Literal
 
+from engine.rewards.judge import Endpoint
+
 StopRequest = Literal["cancel", "pause"]
 
 
@@ -35,4 +37,9 @@ class Callbacks:
 
     def should_stop(self) -> StopRequest | None:
         """Asked after every step: ``"pause"`` saves a checkpoint and returns, ``"cancel"`` just returns."""
+        return None
+
+    def judge(self, model: str) -> Endpoint | None:
+        """The judge a ``score_model`` or ``label_model`` grader names by ``model``: the service's endpoint for it,
+        None when none is offered (then the grader fails the job as a reward service would)."""
         return None

@@ -41,6 +41,7 @@ from engine.core.health import TrainingCollapseError
 from engine.core.loop import NonFiniteLossError
 from engine.core.models import IncompleteSaveError, ModelNotFoundError
 from engine.rewards.graders import RewardError, RewardFunctionError, RewardServiceError, model_refs, replace_models
+from engine.rewards.judge import Endpoint
 from engine.run import run_job as run_engine
 from engine.spec.config import MODEL_FIELDS, JobSpec, format_errors
 from engine.spec.hub import is_hub_id
@@ -144,6 +145,7 @@ class DbCallbacks(Callbacks):
 
     def __init__(self, job_id: str, *, settings: Settings, worker: str, out_dir: Path) -> None:
         self.job_id = job_id
+        self.judges = settings.judges
         self.worker = worker
         self.url = settings.resolved_database_url
         self.lease_seconds = settings.lease_seconds
@@ -199,6 +201,11 @@ class DbCallbacks(Callbacks):
                 s, job_id=self.job_id, step=step, path=relative, metrics=values, kept_steps=kept
             )
         )
+
+    def judge(self, model: str) -> Endpoint | None:
+        """This worker's judge of that name (``RLHF_JUDGES``)."""
+        setting = self.judges.get(model)
+        return setting.endpoint(model) if setting is not None else None
 
     def should_stop(self) -> StopRequest | None:
         if time.monotonic() - self.status_at > STATUS_MAX_AGE_S:

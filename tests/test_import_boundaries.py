@@ -125,9 +125,17 @@ def test_only_the_app_imports_the_route_modules() -> None:
     assert offenders == []
 
 
-TORCH_FREE = [*modules_of("engine/spec"), "engine.rewards.graders", "engine.callbacks", *modules_of("engine/builtin")]
-"""The torch-free part of the engine: what the API validates job specs with (engine/spec/, the graders of a spec's
-``reward``) and what those import (the callbacks' stop requests, the built-in tasks)."""
+TORCH_FREE = [
+    *modules_of("engine/spec"),
+    "engine.rewards.graders",
+    "engine.rewards.judge",
+    "engine.rewards.sandbox",
+    "engine.callbacks",
+    *modules_of("engine/builtin"),
+]
+"""The torch-free part of the engine: what the API validates job specs and runs graders with (engine/spec/, the
+graders of a spec's ``reward``, their judge and sandbox) and what those import (the callbacks' stop requests, the
+built-in tasks)."""
 TORCH_LIBRARIES = {"torch", "transformers", "numpy"}
 
 

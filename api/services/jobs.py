@@ -55,6 +55,8 @@ def validated_spec(
             hub_downloads=settings.hub_downloads,
             reward_urls=settings.reward_urls,
             reward_functions=settings.reward_functions,
+            judges=settings.judges.keys(),
+            source_graders=settings.source_graders,
             pending=pending,
         )
     except SpecReferenceError as e:

@@ -224,7 +224,7 @@ def critic_and_scorer(
     value_model = run.load_trained("value", spec.model, lambda ref: scalar_model(ref, trained_head=False), "SEQ_CLS")
     if reward_ref is None:
         assert spec.reward_grader is not None
-        grader = RewardFunction(spec.reward_grader, tokenizer, device, cfg.dtype, callbacks.should_stop)
+        grader = RewardFunction(spec.reward_grader, tokenizer, device, cfg.dtype, callbacks)
         return value_model, grader_scorer(grader, tokenizer, stop_token_ids)
     assert reward_tokenizer is not None
     reward_model = frozen(scalar_model(reward_ref, reward_tokenizer))

@@ -87,8 +87,8 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
     check_fits(teacher, longest, "max_prompt_length + response_length, in the teacher")
     learner.reference = teacher
     stop_token_ids = learner.sampling.stop_token_ids
-    reward = RewardFunction.of(spec.reward_grader, tokenizer, device, cfg.dtype, callbacks.should_stop)
-    eval_reward = RewardFunction.of(spec.eval_reward, tokenizer, device, cfg.dtype, callbacks.should_stop) or reward
+    reward = RewardFunction.of(spec.reward_grader, tokenizer, device, cfg.dtype, callbacks)
+    eval_reward = RewardFunction.of(spec.eval_reward, tokenizer, device, cfg.dtype, callbacks) or reward
     scorer, eval_scorer = (
         no_reward if r is None else grader_scorer(r, tokenizer, stop_token_ids) for r in (reward, eval_reward)
     )

@@ -56,8 +56,8 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
     cfg = cfg.model_copy(update={"max_prompt_length": prompt_length})  # sized from the prompts where null
     if cfg.k1_loss_term:  # accepted, but it does not pull towards the reference
         callbacks.on_event("warning", K1_LOSS_TERM_WARNING, {"reason": "k1_loss_term"})
-    reward = RewardFunction(spec.reward_grader, tokenizer, device, cfg.dtype, callbacks.should_stop)
-    eval_reward = RewardFunction.of(spec.eval_reward, tokenizer, device, cfg.dtype, callbacks.should_stop) or reward
+    reward = RewardFunction(spec.reward_grader, tokenizer, device, cfg.dtype, callbacks)
+    eval_reward = RewardFunction.of(spec.eval_reward, tokenizer, device, cfg.dtype, callbacks) or reward
     stop_token_ids = learner.sampling.stop_token_ids
     scorer, eval_scorer = (grader_scorer(r, tokenizer, stop_token_ids) for r in (reward, eval_reward))
     kl_loss_coef = cfg.kl_coef if cfg.kl_coef > 0 and not cfg.kl_as_reward else 0.0

@@ -83,7 +83,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     cfg = cfg.model_copy(update={"max_prompt_length": prompt_length})  # sized from the prompts where null
     value_model, scorer = critic_and_scorer(run, cfg, device, learner.sampling.stop_token_ids)
     stop_token_ids = learner.sampling.stop_token_ids
-    eval_reward = RewardFunction.of(spec.eval_reward, tokenizer, device, cfg.dtype, callbacks.should_stop)
+    eval_reward = RewardFunction.of(spec.eval_reward, tokenizer, device, cfg.dtype, callbacks)
     if ptx_rows:
         check_fits(learner.model, cfg.max_length, "hyperparameters.max_length")
     critic = ranks.wrap(ScalarHead(value_model), compile=cfg.torch_compile)  # trained through; rollouts use the model

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from engine.callbacks import Callbacks
 from engine.core.data import render
 from engine.core.distributed import Ranks
 from engine.core.learner import Tokens
@@ -17,7 +18,6 @@ from engine.rewards.graders import (
     ModelGrader,
     RewardScores,
     Samples,
-    StopCheck,
     iter_graders,
     reward_metrics,
     score,
@@ -27,8 +27,9 @@ from engine.rewards.reward_model import score_texts
 
 class RewardFunction:
     """``reward(samples, stopped)`` → the grader's :class:`RewardScores` of ``samples`` (``stopped``: whether
-    each completion ended with EOS, which a reward model sees as its training pairs did). ``should_stop``: the
-    job's callbacks' hook, asked while an http grader waits (RewardStopped when it answers)."""
+    each completion ended with EOS, which a reward model sees as its training pairs did). ``callbacks``: the job's,
+    asked whether to stop while an http grader or a judge is waited for (RewardStopped when they answer), and for
+    the judges of model graders."""
 
     def __init__(
         self,
@@ -36,11 +37,11 @@ class RewardFunction:
         policy_tokenizer: PreTrainedTokenizerBase,
         device: torch.device,
         dtype: str,
-        should_stop: StopCheck | None = None,
+        callbacks: Callbacks | None = None,
     ) -> None:
         self.grader = grader
         self.policy_tokenizer = policy_tokenizer
-        self.should_stop = should_stop
+        self.callbacks = callbacks or Callbacks()
         self.models: dict[str, tuple[PreTrainedModel, PreTrainedTokenizerBase]] = {}
         for _, leaf in iter_graders(grader):
             if isinstance(leaf, ModelGrader) and leaf.model not in self.models:
@@ -55,10 +56,10 @@ class RewardFunction:
         policy_tokenizer: PreTrainedTokenizerBase,
         device: torch.device,
         dtype: str,
-        should_stop: StopCheck | None = None,
+        callbacks: Callbacks | None = None,
     ) -> "RewardFunction | None":
         """The reward of an optional grader (e.g. a spec's ``eval_reward``): None without one."""
-        return None if grader is None else cls(grader, policy_tokenizer, device, dtype, should_stop)
+        return None if grader is None else cls(grader, policy_tokenizer, device, dtype, callbacks)
 
     def __call__(self, samples: Samples, stopped: Sequence[bool]) -> RewardScores:
         def model_scores(grader: ModelGrader, batch: Samples) -> list[float]:
@@ -67,7 +68,7 @@ class RewardFunction:
                                  self.policy_tokenizer)  # fmt: skip
             return [float(s) for s in scores.float().tolist()]
 
-        return score(self.grader, samples, model_scores, self.should_stop)
+        return score(self.grader, samples, model_scores, self.callbacks.should_stop, self.callbacks.judge)
 
 
 def samples_of(tokenizer: PreTrainedTokenizerBase, rows: Sequence[dict[str, Any]], completions: list[str]) -> Samples:

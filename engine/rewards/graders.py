@@ -8,8 +8,11 @@ A job spec's ``reward`` is one :data:`Grader`. The kinds follow OpenAI's grader 
 - ``text_similarity``: fuzzy match, BLEU, GLEU or ROUGE of two rendered templates, in [0, 1].
 - ``http``: a remote reward service speaking OpenRLHF's remote reward model protocol
   (OpenRLHF/OpenRLHF ``openrlhf/utils/remote_rm_utils.py``).
-- ``python``: an importable function with TRL's reward-function signature
+- ``python``: OpenAI's ``source`` (``def grade(sample, item) -> float``), run in engine/rewards/sandbox.py, or an
+  importable function with TRL's reward-function signature
   (https://huggingface.co/docs/trl/grpo_trainer#using-a-custom-reward-function).
+- ``score_model`` and ``label_model``: a judge (an OpenAI-compatible chat endpoint the service offers under the
+  grader's ``model`` name, engine/rewards/judge.py) gives each sample a number in ``range``, or a label.
 - ``multi``: named graders combined by a formula or by weights.
 
 Templates hold only ``{{ sample.output_text }}`` and ``{{ item.<column>[.<key>...] }}``, substituted by a regex;
@@ -31,14 +34,15 @@ import re
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, NoReturn
 
 import httpx
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from engine.callbacks import StopRequest
+from engine.rewards import judge, sandbox
 from engine.spec.rows import Text
 
 logger = logging.getLogger(__name__)
@@ -71,6 +75,15 @@ class RewardServiceError(RewardError):
 class RewardFunctionError(RewardError):
     """A reward function (a ``python`` grader) could not be imported, raised, or returned something else than
     one number per sample."""
+
+
+class RewardVariableError(RewardError):
+    """A template names a column the dataset row does not have."""
+
+
+class RewardFormulaError(RewardError):
+    """A multi grader's ``calculate_output`` cannot be computed on a sample (a division by zero, a non-finite
+    value)."""
 
 
 class RewardStopped(Exception):
@@ -117,7 +130,9 @@ def _item_value(row: Mapping[str, Any], keys: list[str], grader: str) -> str:
     for depth, key in enumerate(keys):
         if not isinstance(value, Mapping) or key not in value:
             missing = "item." + ".".join(keys[: depth + 1])
-            raise RewardError(f"grader {grader!r}: the dataset row has no {missing} (its columns: {', '.join(row)})")
+            raise RewardVariableError(
+                f"grader {grader!r}: the dataset row has no {missing} (its columns: {', '.join(row)})"
+            )
         value = value[key]
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
@@ -313,31 +328,146 @@ def _schedule_problem(seconds: float) -> str:
     return f"{worst} allows {seconds:,.0f} s per request, over {MAX_SCHEDULE_S:,.0f} s; lower one of them"
 
 
+MAX_SOURCE_CHARS = 256_000
+"""Longest ``source`` of a python grader."""
 FUNCTION_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 """A python grader's ``function``: ``module.path:function_name``."""
 
 
 class PythonGrader(_GraderBase):
-    """An importable function with TRL's reward-function signature: ``fn(prompts=[...], completions=[...],
-    **columns) -> list[float]``, every other column of the dataset rows passed as a list."""
+    """Python code scoring each sample: OpenAI's ``source``, a module defining ``grade(sample, item) -> float`` (run
+    in a sandbox: engine/rewards/sandbox.py), or ``function``, an importable function with TRL's reward-function
+    signature, ``fn(prompts=[...], completions=[...], **columns) -> list[float]``, every other column of the
+    dataset rows passed as a list. Give exactly one."""
 
     type: Literal["python"] = "python"
     """The grader kind."""
-    source: Annotated[str | None, Field(exclude=True)] = None
-    """OpenAI's Python grader source code: not run here, refused naming this field (before ``function``, so the
-    refusal names it first)."""
-    function: Annotated[str, Field(max_length=300, pattern=FUNCTION_PATH)]
+    source: Annotated[str, Field(min_length=1, max_length=MAX_SOURCE_CHARS)] | None = None
+    """OpenAI's Python grader: source code defining ``grade(sample, item)``, ``sample`` holding ``output_text`` and
+    ``output_json`` (the output parsed, when it is JSON), ``item`` the dataset row; it returns a number. It runs
+    with the standard library only, without network or files, under time and memory limits."""
+    function: Annotated[str, Field(max_length=300, pattern=FUNCTION_PATH)] | None = None
     """``module.path:function_name``; the operator's ``allowed_functions`` must admit it."""
+    image_tag: Annotated[str, Field(max_length=200)] | None = None
+    """OpenAI's runtime image of a source grader: accepted and ignored (one runtime here, the standard library)."""
 
     @field_validator("source")
     @classmethod
-    def _no_source(cls, source: str | None) -> None:
-        if source is not None:
-            raise ValueError(
-                "Python source graders are not run by this server; give function, a module.path:function_name "
-                "the operator allows (RLHF_REWARD_FUNCTIONS), instead of source"
-            )
-        return None
+    def _defines_grade(cls, source: str | None) -> str | None:
+        if source is None:
+            return None
+        try:
+            tree = ast.parse(source)
+        except SyntaxError as e:
+            raise ValueError(f"source does not compile: {e.msg} (line {e.lineno})") from None
+        if not any(isinstance(node, ast.FunctionDef) and node.name == "grade" for node in tree.body):
+            raise ValueError("source must define grade(sample, item) at its top level")
+        return source
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "PythonGrader":
+        if (self.source is None) == (self.function is None):
+            raise ValueError("give exactly one of source (OpenAI's grade(sample, item)) and function")
+        return self
+
+
+class ContentPart(_Strict):
+    """A text part of a judge message's content."""
+
+    type: Literal["input_text", "output_text"]
+    """The part kind; images and audio are not read by the judges here."""
+    text: Template
+    """The text, with placeholders."""
+
+
+class JudgeMessage(_Strict):
+    """A message of a model grader's conversation with its judge."""
+
+    role: Literal["user", "assistant", "system", "developer"]
+    """Who says it; ``developer`` is sent as ``system``."""
+    content: Template | Annotated[list[ContentPart], Field(min_length=1, max_length=32)]
+    """The text (or text parts), with placeholders: ``{{ sample.output_text }}``, ``{{ item.<column> }}``."""
+    type: Literal["message"] = "message"
+    """Always ``message``."""
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("input_image", "input_audio"):
+                raise ValueError(f"{kind} content is not supported: the judges here read text")
+        return content
+
+
+class JudgeSampling(_Strict):
+    """How the judge samples its answer (OpenAI's ``sampling_params``)."""
+
+    max_completions_tokens: Annotated[int, Field(ge=1, le=8192)] | None = None
+    """The answer's most tokens (None: 256)."""
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    """None: the endpoint's default."""
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    """None: the endpoint's default."""
+    seed: int | None = None
+    """Sent as the request's ``seed``."""
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    """Sent as the request's ``reasoning_effort``, for judges that reason."""
+
+    def request_fields(self) -> dict[str, Any]:
+        fields = {"max_tokens": self.max_completions_tokens or 256, "temperature": self.temperature,
+                  "top_p": self.top_p, "seed": self.seed, "reasoning_effort": self.reasoning_effort}  # fmt: skip
+        return {key: value for key, value in fields.items() if value is not None}
+
+
+class _JudgeGrader(_GraderBase):
+    model: Annotated[str, Field(min_length=1, max_length=200)]
+    """The judge, by a name the service offers (the operator's ``judges``, ``RLHF_JUDGES``): an OpenAI-compatible
+    endpoint and the model it serves there."""
+    input: Annotated[list[JudgeMessage], Field(min_length=1, max_length=32)]
+    """The conversation the judge answers, with placeholders."""
+    sampling_params: JudgeSampling = JudgeSampling()
+    """How the judge samples its answer."""
+
+
+class ScoreModelGrader(_JudgeGrader):
+    """A judge's number for each sample; an answer without a number in ``range`` scores 0 and counts in
+    ``<name>/invalid``."""
+
+    type: Literal["score_model"] = "score_model"
+    """The grader kind."""
+    range: Annotated[list[float], Field(min_length=2, max_length=2)] = [0.0, 1.0]
+    """The lowest and the highest score the judge may give."""
+    pass_threshold: float | None = None
+    """When set, ``<name>/pass`` also reports whether each score reached it (1.0 or 0.0)."""
+
+    @field_validator("range")
+    @classmethod
+    def _ordered(cls, value: list[float]) -> list[float]:
+        if not (math.isfinite(value[0]) and math.isfinite(value[1]) and value[0] < value[1]):
+            raise ValueError("range must be two finite numbers, the lower first")
+        return value
+
+
+class LabelModelGrader(_JudgeGrader):
+    """A judge's label for each sample: 1.0 when it is one of ``passing_labels``, else 0.0; an answer that is none
+    of ``labels`` scores 0 and counts in ``<name>/invalid``."""
+
+    type: Literal["label_model"] = "label_model"
+    """The grader kind."""
+    labels: Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(min_length=2, max_length=64)]
+    """The labels the judge chooses from."""
+    passing_labels: Annotated[list[str], Field(min_length=1, max_length=64)]
+    """The labels that pass: a subset of ``labels``."""
+
+    @model_validator(mode="after")
+    def _passing_are_labels(self) -> "LabelModelGrader":
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError("labels must be distinct")
+        unknown = [label for label in self.passing_labels if label not in self.labels]
+        if unknown:
+            raise ValueError(f"passing_labels must be among labels; not: {', '.join(unknown)}")
+        return self
 
 
 class MultiGrader(_GraderBase):
@@ -371,7 +501,14 @@ class MultiGrader(_GraderBase):
 
 
 _AnyGrader = Annotated[
-    ModelGrader | StringCheckGrader | TextSimilarityGrader | HttpGrader | PythonGrader | MultiGrader,
+    ModelGrader
+    | StringCheckGrader
+    | TextSimilarityGrader
+    | HttpGrader
+    | PythonGrader
+    | ScoreModelGrader
+    | LabelModelGrader
+    | MultiGrader,
     Field(discriminator="type"),
 ]
 MultiGrader.model_rebuild()
@@ -449,16 +586,34 @@ def replace_models(data: dict[str, Any], replace: Callable[[str, str], str], par
 # Operator allow-lists
 
 
-def check_allowed(grader: Grader, allowed_urls: Sequence[str], allowed_functions: Sequence[str] | None) -> list[str]:
+def check_allowed(
+    grader: Grader,
+    allowed_urls: Sequence[str],
+    allowed_functions: Sequence[str] | None,
+    judges: Collection[str] | None = None,
+    source_graders: bool = True,
+) -> list[str]:
     """What the operator's allow-lists refuse in ``grader`` (empty: nothing). An ``allowed_urls`` entry is a URL
     prefix (scheme, host and port equal, the path within the entry's) or ``loopback``; ``allowed_functions`` None
-    allows any function (the local CLI), which fails only when scored if it cannot be imported."""
+    allows any function (the local CLI), which fails only when scored if it cannot be imported. ``judges``: the
+    judge names model graders may use (None: any, checked when scored); ``source_graders``: whether python graders
+    may give ``source``."""
     problems = []
     for name, sub in iter_graders(grader):
+        if isinstance(sub, ScoreModelGrader | LabelModelGrader) and judges is not None and sub.model not in judges:
+            offered = ", ".join(sorted(judges)) or "none"
+            problems.append(f"grader {name!r}: the judge {sub.model!r} is not offered here (RLHF_JUDGES: {offered})")
+        if isinstance(sub, PythonGrader) and sub.source is not None and not source_graders:
+            problems.append(f"grader {name!r}: python source graders are switched off here (RLHF_SOURCE_GRADERS)")
         if isinstance(sub, HttpGrader) and not any(_url_allowed(sub.url, entry) for entry in allowed_urls):
             allowed = ", ".join(allowed_urls) or "none"
             problems.append(f"grader {name!r}: the reward service {_public_url(sub.url)} is not allowed ({allowed})")
-        if isinstance(sub, PythonGrader) and allowed_functions is not None and sub.function not in allowed_functions:
+        if (
+            isinstance(sub, PythonGrader)
+            and sub.function is not None
+            and allowed_functions is not None
+            and sub.function not in allowed_functions
+        ):
             allowed = ", ".join(allowed_functions) or "none"
             problems.append(f"grader {name!r}: the reward function {sub.function} is not allowed ({allowed})")
     return problems
@@ -534,23 +689,53 @@ class RewardScores:
     total: list[float]
     """The reward of each sample: the top grader's score."""
     components: dict[str, list[float]]
-    """Every named grader's scores, leaves and multis (the top one included), and ``<name>/pass`` (1.0 or 0.0)
-    for each text_similarity grader with a ``pass_threshold``."""
+    """Every named grader's scores, leaves and multis (the top one included); ``<name>/pass`` (1.0 or 0.0) for each
+    text_similarity or score_model grader with a ``pass_threshold``; ``<name>/invalid`` (1.0 or 0.0) of each model
+    grader, its judge's answer unreadable (scored 0); ``<name>/errors`` of each source grader, its code failing on
+    the sample (scored 0)."""
+    errors: dict[str, str] = field(default_factory=dict)
+    """Per grader, its first error on a sample it scored 0 for."""
+    judge_tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens the judges used, per judge name."""
 
 
 ModelScorer = Callable[[ModelGrader, Samples], list[float]]
 """Scores samples with a model grader's reward model (the engine's, which loads models)."""
+Judges = Callable[[str], judge.Endpoint | None]
+"""The service's judge of a model grader's ``model`` name (None: not offered): :meth:`Callbacks.judge`."""
+
+
+@dataclass
+class _Scoring:
+    """What scoring one batch needs beside the graders, and what it collects."""
+
+    samples: Samples
+    model_scorer: ModelScorer | None
+    should_stop: StopCheck | None
+    judges: Judges | None
+    sandbox_limits: sandbox.SandboxLimits
+    components: dict[str, list[float]]
+    errors: dict[str, str]
+    """A grader's first error on a sample it scored 0 for (a judge's unreadable answer, a source grader's raise)."""
+    judge_tokens: dict[str, int]
 
 
 def score(
-    grader: Grader, samples: Samples, model_scorer: ModelScorer | None = None, should_stop: StopCheck | None = None
+    grader: Grader,
+    samples: Samples,
+    model_scorer: ModelScorer | None = None,
+    should_stop: StopCheck | None = None,
+    judges: Judges | None = None,
+    sandbox_limits: sandbox.SandboxLimits | None = None,
 ) -> RewardScores:
     """Every sample's reward, and the scores of each of the reward's graders. RewardError (RewardServiceError,
     RewardFunctionError) when one cannot be computed; RewardStopped when ``should_stop`` asks for a stop while an
-    http grader waits for its service."""
-    components: dict[str, list[float]] = {}
-    total = _score(grader, _effective_name(grader), samples, model_scorer, should_stop, components)
-    return RewardScores(total=total, components=components)
+    http grader or a judge is waited for."""
+    scoring = _Scoring(samples, model_scorer, should_stop, judges, sandbox_limits or sandbox.SandboxLimits(), {},
+                       {}, {})  # fmt: skip
+    total = _score(grader, _effective_name(grader), scoring)
+    return RewardScores(total=total, components=scoring.components, errors=scoring.errors,
+                        judge_tokens=scoring.judge_tokens)  # fmt: skip
 
 
 def reward_metrics(scores: RewardScores, prefix: str = "reward") -> dict[str, float]:
@@ -564,32 +749,30 @@ def reward_metrics(scores: RewardScores, prefix: str = "reward") -> dict[str, fl
     return metrics
 
 
-def _score(
-    grader: _AnyGrader,
-    name: str,
-    samples: Samples,
-    model_scorer: ModelScorer | None,
-    should_stop: StopCheck | None,
-    components: dict[str, list[float]],
-) -> list[float]:
-    """The scores of ``grader`` (called ``name``), recorded in ``components`` with those of its components."""
+def _score(grader: _AnyGrader, name: str, scoring: _Scoring) -> list[float]:
+    """The scores of ``grader`` (called ``name``), recorded in ``scoring.components`` with those of its
+    components."""
+    samples = scoring.samples
     if isinstance(grader, MultiGrader):
-        parts = {
-            key: _score(sub, key, samples, model_scorer, should_stop, components) for key, sub in grader.graders.items()
-        }
+        parts = {key: _score(sub, key, scoring) for key, sub in grader.graders.items()}
         scores = _combine(grader, name, parts, len(samples))
     elif isinstance(grader, ModelGrader):
-        scores = _score_model(grader, name, samples, model_scorer)
+        scores = _score_model(grader, name, samples, scoring.model_scorer)
     elif isinstance(grader, StringCheckGrader | TextSimilarityGrader):
         pairs = zip(samples.completions, samples.rows, strict=True)
         scores = [_score_text(grader, name, completion, row) for completion, row in pairs]
     elif isinstance(grader, HttpGrader):
-        scores = _score_http(grader, name, samples, should_stop)
+        scores = _score_http(grader, name, samples, scoring.should_stop)
+    elif isinstance(grader, ScoreModelGrader | LabelModelGrader):
+        scores = _score_judged(grader, name, scoring)
+    elif grader.source is not None:
+        scores = _score_source(grader, name, scoring)
     else:
         scores = _score_python(grader, samples)
-    components[name] = scores
-    if isinstance(grader, TextSimilarityGrader) and grader.pass_threshold is not None:
-        components[f"{name}/pass"] = [float(s >= grader.pass_threshold) for s in scores]
+    scoring.components[name] = scores
+    threshold = grader.pass_threshold if isinstance(grader, TextSimilarityGrader | ScoreModelGrader) else None
+    if threshold is not None:
+        scoring.components[f"{name}/pass"] = [float(s >= threshold) for s in scores]
     return scores
 
 
@@ -834,7 +1017,9 @@ def _load_function(path: str) -> Callable[..., Any]:
 
 
 def _score_python(grader: PythonGrader, samples: Samples) -> list[float]:
-    function = _load_function(grader.function)
+    path = grader.function
+    assert path is not None  # a source grader is _score_source's
+    function = _load_function(path)
     # TRL passes chat completions as messages: the completion is the assistant's reply
     completions = [
         [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
@@ -846,10 +1031,10 @@ def _score_python(grader: PythonGrader, samples: Samples) -> list[float]:
     try:
         scores = function(prompts=samples.prompts, completions=completions, **columns)
     except Exception as e:
-        _raise_failing_row(grader.function, function, samples.prompts, completions, columns, e)
+        _raise_failing_row(path, function, samples.prompts, completions, columns, e)
     problem = _number_problem(scores, len(samples))
     if problem:
-        raise RewardFunctionError(f"reward function {grader.function} returned {problem}")
+        raise RewardFunctionError(f"reward function {path} returned {problem}")
     return [float(s) for s in scores]
 
 
@@ -885,7 +1070,98 @@ def _excerpt(prompt: Text, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 4] + " ..."
 
 
-# 5. multi graders
+# 5. python source graders: OpenAI's grade(sample, item), in the sandbox
+
+
+def _score_source(grader: PythonGrader, name: str, scoring: _Scoring) -> list[float]:
+    """Each sample's ``grade(sample, item)``, the whole batch in one sandboxed process. A sample the code fails on
+    scores 0 (counted in ``<name>/errors``); a batch it fails on entirely is a RewardFunctionError."""
+    assert grader.source is not None
+    samples = scoring.samples
+    calls = [(openai_sample(text), dict(row)) for text, row in zip(samples.completions, samples.rows, strict=True)]
+    try:
+        batch = sandbox.grade_source(grader.source, calls, scoring.sandbox_limits)
+    except sandbox.SandboxUnavailable as e:
+        raise RewardFunctionError(f"grader {name!r}: source graders cannot run here: {e}") from e
+    if batch.batch_error is not None:
+        raise RewardFunctionError(f"grader {name!r}: {batch.batch_error}")
+    failed = [error for error in batch.errors if error is not None]
+    if failed and len(failed) == len(calls):
+        raise RewardFunctionError(f"grader {name!r} failed on every sample of the batch; the first: {failed[0]}")
+    if failed:
+        scoring.errors.setdefault(name, failed[0])
+    scoring.components[f"{name}/errors"] = [float(error is not None) for error in batch.errors]
+    return [0.0 if value is None else value for value in batch.scores]
+
+
+def openai_sample(text: str) -> dict[str, Any]:
+    """The ``sample`` OpenAI's graders see: ``output_text``, and ``output_json`` when the text is JSON."""
+    try:
+        output_json = json.loads(text)
+    except ValueError:
+        output_json = None
+    return {"output_text": text, "output_json": output_json, "output_tools": [], "choices": []}
+
+
+# 6. score_model and label_model graders: a judge's answer
+
+
+def _score_judged(grader: "ScoreModelGrader | LabelModelGrader", name: str, scoring: _Scoring) -> list[float]:
+    """The judge's score (or 1.0 for a passing label) of each sample; an unreadable answer scores 0, counted in
+    ``<name>/invalid``. RewardServiceError when the judge is not offered or fails after its retries."""
+    endpoint = scoring.judges(grader.model) if scoring.judges is not None else None
+    if endpoint is None:
+        raise RewardServiceError(f"grader {name!r}: no judge {grader.model!r} is offered here (RLHF_JUDGES)")
+    samples = scoring.samples
+    if isinstance(grader, ScoreModelGrader):
+        instruction = judge.score_instruction(grader.range[0], grader.range[1])
+    else:
+        instruction = judge.label_instruction(grader.labels)
+    conversations = [
+        [*_judge_messages(grader, name, completion, row), instruction]
+        for completion, row in zip(samples.completions, samples.rows, strict=True)
+    ]
+    stop = scoring.should_stop
+    try:
+        answers = judge.ask(endpoint, conversations, grader.sampling_params.request_fields(),
+                            should_stop=(lambda: stop() is not None) if stop else None)  # fmt: skip
+    except judge.JudgeError as e:
+        _check_stop(stop)
+        raise RewardServiceError(f"grader {name!r}: {e}") from e
+    scoring.judge_tokens[grader.model] = scoring.judge_tokens.get(grader.model, 0) + sum(a.tokens for a in answers)
+    scores, invalid = [], []
+    for answer in answers:
+        value = _judged_value(grader, answer)
+        invalid.append(float(value is None))
+        scores.append(0.0 if value is None else value)
+        if value is None:
+            problem = "refused" if answer.refused else f"answered {answer.text[:200]!r}"
+            scoring.errors.setdefault(name, f"the judge {grader.model} {problem}")
+    scoring.components[f"{name}/invalid"] = invalid
+    return scores
+
+
+def _judged_value(grader: "ScoreModelGrader | LabelModelGrader", answer: judge.Answer) -> float | None:
+    if answer.refused:
+        return None
+    if isinstance(grader, ScoreModelGrader):
+        return judge.read_score(answer.text, grader.range[0], grader.range[1])
+    label = judge.read_label(answer.text, grader.labels)
+    return None if label is None else float(label in grader.passing_labels)
+
+
+def _judge_messages(grader: "ScoreModelGrader | LabelModelGrader", name: str, completion: str,
+                    row: Mapping[str, Any]) -> list[judge.Message]:  # fmt: skip
+    """The grader's conversation for one sample, its placeholders filled in."""
+    messages = []
+    for message in grader.input:
+        parts = [message.content] if isinstance(message.content, str) else [part.text for part in message.content]
+        text = "\n".join(_render(part, name, completion, row) for part in parts)
+        messages.append({"role": "system" if message.role == "developer" else message.role, "content": text})
+    return messages
+
+
+# 7. multi graders
 
 
 def _combine(grader: MultiGrader, name: str, parts: dict[str, list[float]], n: int) -> list[float]:
@@ -900,8 +1176,8 @@ def _combine(grader: MultiGrader, name: str, parts: dict[str, list[float]], n: i
         try:
             value = _evaluate(formula, {key: values[i] for key, values in parts.items()})
         except (ZeroDivisionError, ValueError, OverflowError) as e:
-            raise RewardError(f"grader {name!r}: {grader.calculate_output!r} failed on sample {i}: {e}") from e
+            raise RewardFormulaError(f"grader {name!r}: {grader.calculate_output!r} failed on sample {i}: {e}") from e
         if not math.isfinite(value):
-            raise RewardError(f"grader {name!r}: {grader.calculate_output!r} is {value} on sample {i}")
+            raise RewardFormulaError(f"grader {name!r}: {grader.calculate_output!r} is {value} on sample {i}")
         scores.append(value)
     return scores

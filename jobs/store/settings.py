@@ -8,10 +8,36 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine.rewards.judge import Endpoint
 from engine.spec.config import TrackingBackend
+
+
+class JudgeSetting(BaseModel):
+    """One judge of model graders: where it answers, and how it is asked."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(min_length=1)
+    """The OpenAI-compatible API's base URL (``/chat/completions`` is appended)."""
+    model: str | None = None
+    """The model name sent to it (None: the name graders use)."""
+    api_key_env: str | None = None
+    """The environment variable of the workers (and the API, for ``graders/run``) holding its key."""
+    timeout_s: float = Field(default=60.0, gt=0, le=600)
+    """Seconds one request may take."""
+    retries: int = Field(default=2, ge=0, le=10)
+    """Attempts after the first, on connection errors, timeouts, 429 and 5xx."""
+    concurrency: int = Field(default=8, ge=1, le=256)
+    """Requests in flight at once."""
+
+    def endpoint(self, name: str) -> Endpoint:
+        """The engine's endpoint of this judge, its key read from the environment now."""
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        return Endpoint(url=self.url, model=self.model or name, api_key=key, timeout_s=self.timeout_s,
+                        retries=self.retries, concurrency=self.concurrency)  # fmt: skip
 
 
 class Settings(BaseSettings):
@@ -51,6 +77,15 @@ class Settings(BaseSettings):
     reward_functions: list[str] = []
     """The ``module:function`` reward functions a ``python`` grader may name (importable on the workers); none by
     default. Others are refused at submit (``reward_not_allowed``). The local ``rlhf train`` allows any."""
+    judges: dict[str, JudgeSetting] = {}
+    """The judges ``score_model`` and ``label_model`` graders may name in ``model``, each an OpenAI-compatible
+    chat endpoint (this server's own ``/v1``, serving a checkpoint, is one): as JSON in ``RLHF_JUDGES``, e.g.
+    ``{"judge-small": {"url": "http://127.0.0.1:8000/v1", "model": "job:job_0123@40", "api_key_env":
+    "RLHF_JUDGE_KEY"}}``. A grader naming another is refused at submit (``reward_not_allowed``)."""
+    source_graders: bool = True
+    """Whether ``python`` graders may give ``source`` (OpenAI's ``grade(sample, item)``), run in a sandbox: a process
+    per batch without network or files, under CPU, memory and time limits. Off (``RLHF_SOURCE_GRADERS=false``):
+    refused at submit."""
     tracking: list[TrackingBackend] = []
     """Experiment trackers every job's metrics go to, as if each spec switched them on (``tracking``), e.g.
     ``["tensorboard", "mlflow"]``: ``tensorboard``, ``mlflow``, ``wandb``. The workers need the ``tracking`` extra

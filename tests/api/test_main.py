@@ -45,6 +45,7 @@ DESIGN_ROUTES = {
     ("post", "/v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions"),
     ("get", "/v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions"),
     ("delete", "/v1/fine_tuning/checkpoints/{fine_tuned_model_checkpoint}/permissions/{permission_id}"),
+    ("post", "/v1/fine_tuning/alpha/graders/run"), ("post", "/v1/fine_tuning/alpha/graders/validate"),
     # Tinker-compatible, the tinker SDK 0.38's paths (issue 26).
     ("get", "/api/v1/healthz"), ("post", "/api/v1/client/config"), ("post", "/api/v1/client/dynamic_config"),
     ("get", "/api/v1/get_server_capabilities"), ("post", "/api/v1/telemetry"),

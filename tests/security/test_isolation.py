@@ -137,6 +137,17 @@ def test_another_projects_objects_are_invisible_on_every_route(
         # The job types are the server's, not a project's: both projects see the same list.
         assert client.get("/v1/job_types").json() == client.get("/v1/job_types", headers=a.headers).json()
         walked.add(("GET", "/v1/job_types"))
+        # The grader endpoints grade what the request holds, nothing of a project's: both get the same answer.
+        grader = {"type": "string_check", "input": "{{ sample.output_text }}", "reference": "{{ item.a }}",
+                  "operation": "eq"}  # fmt: skip
+        validate = "/v1/fine_tuning/alpha/graders/validate"
+        assert client.post(validate, json={"grader": grader}).json() == client.post(
+            validate, json={"grader": grader}, headers=a.headers).json()  # fmt: skip
+        run = "/v1/fine_tuning/alpha/graders/run"
+        body = {"grader": grader, "model_sample": "x", "item": {"a": "x"}}
+        assert client.post(run, json=body).json()["reward"] == client.post(run, json=body, headers=a.headers).json()[
+            "reward"] == 1.0  # fmt: skip
+        walked |= {("POST", validate), ("POST", run)}
 
         # Creating: A's jobs and files cannot be named, as a model, a reward model or a dataset.
         refs = [

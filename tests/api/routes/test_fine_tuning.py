@@ -178,16 +178,16 @@ def test_a_refused_request_names_its_field(
     assert (refused.value.code, refused.value.param) == (code, param), refused.value.message
 
 
-def test_a_python_source_grader_is_refused_naming_source(oa: openai.OpenAI, model: str) -> None:
+def test_a_python_source_grader_that_does_not_compile_is_refused_naming_source(oa: openai.OpenAI, model: str) -> None:
     file = upload(oa, openai_rows("reinforcement", 40))
-    grader = {"type": "python", "name": "g", "source": "def grade(sample, item):\n    return 1.0\n"}
+    grader = {"type": "python", "name": "g", "source": "def grade(sample, item):\n    return 1.0 +\n"}
     with pytest.raises(openai.APIStatusError) as refused:
         oa.fine_tuning.jobs.create(
             model=model, training_file=file.id, method={"type": "reinforcement", "reinforcement": {"grader": grader}}
         )
     assert refused.value.status_code == 422
     assert refused.value.param == "method.reinforcement.grader.python.source", refused.value.message
-    assert "Python source graders are not run" in refused.value.message
+    assert "source does not compile" in refused.value.message and "line 2" in refused.value.message
 
 
 def test_checkpoint_permissions_are_refused_naming_them(oa: openai.OpenAI) -> None:
