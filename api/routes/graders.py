@@ -8,6 +8,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from api.deps import CurrentProject, SettingsDep
+from api.errors import error_responses
 from api.services import graders as service
 
 router = APIRouter(prefix="/fine_tuning/alpha/graders", tags=["openai"])
@@ -25,14 +26,14 @@ class GraderRunRequest(GraderValidateRequest):
     """The dataset row: ``item`` of the templates and of ``grade(sample, item)``."""
 
 
-@router.post("/validate")
+@router.post("/validate", responses=error_responses(400))
 def validate_grader(body: GraderValidateRequest, settings: SettingsDep, _project: CurrentProject) -> dict[str, Any]:
     """The grader back when a job would accept it as its reward; a 400 naming the field otherwise."""
     grader = service.checked_grader(settings, body.grader)
     return {"grader": grader.model_dump(mode="json", exclude_none=True)}
 
 
-@router.post("/run")
+@router.post("/run", responses=error_responses(400))
 async def run_grader(body: GraderRunRequest, settings: SettingsDep, _project: CurrentProject) -> dict[str, Any]:
     """The grader's reward of ``model_sample`` for ``item``, with its sub-rewards and OpenAI's error flags. A judge
     or a source grader runs off the event loop."""

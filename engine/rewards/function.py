@@ -42,6 +42,8 @@ class RewardFunction:
         self.grader = grader
         self.policy_tokenizer = policy_tokenizer
         self.callbacks = callbacks or Callbacks()
+        self.warned: set[str] = set()
+        """The graders whose first sample error was reported (a warning event, once per grader)."""
         self.models: dict[str, tuple[PreTrainedModel, PreTrainedTokenizerBase]] = {}
         for _, leaf in iter_graders(grader):
             if isinstance(leaf, ModelGrader) and leaf.model not in self.models:
@@ -68,7 +70,13 @@ class RewardFunction:
                                  self.policy_tokenizer)  # fmt: skip
             return [float(s) for s in scores.float().tolist()]
 
-        return score(self.grader, samples, model_scores, self.callbacks.should_stop, self.callbacks.judge)
+        scored = score(self.grader, samples, model_scores, self.callbacks.should_stop, self.callbacks.judge)
+        for name, error in scored.errors.items():
+            if name not in self.warned:  # it scored 0 there, counted in reward/<name>/invalid or /errors
+                self.warned.add(name)
+                message = f"grader {name!r} scored 0 where it could not grade a sample (further ones are only counted)"
+                self.callbacks.on_event("warning", f"{message}: {error}", {"grader": name})
+        return scored
 
 
 def samples_of(tokenizer: PreTrainedTokenizerBase, rows: Sequence[dict[str, Any]], completions: list[str]) -> Samples:

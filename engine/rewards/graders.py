@@ -47,8 +47,9 @@ from engine.spec.rows import Text
 
 logger = logging.getLogger(__name__)
 
-RESERVED_NAMES = frozenset({"mean", "std"})
-"""Names no grader may have: :func:`reward_metrics` reports ``reward/mean`` and ``reward/std`` beside them."""
+RESERVED_NAMES = frozenset({"mean", "std", "judge_tokens"})
+"""Names no grader may have: :func:`reward_metrics` reports ``reward/mean``, ``reward/std`` and
+``reward/judge_tokens`` beside them."""
 MAX_DEPTH = 3
 """Levels of graders in one reward: a multi of multis of leaves is 3."""
 MAX_COMPONENTS = 16
@@ -222,7 +223,7 @@ class _Strict(BaseModel):
 
 def _not_reserved(name: str) -> str:
     if name in RESERVED_NAMES:
-        raise ValueError(f"{name!r} is reserved (the reward's {' and '.join(sorted(RESERVED_NAMES))} use it)")
+        raise ValueError(f"{name!r} is reserved (the reward's {', '.join(sorted(RESERVED_NAMES))} metrics use it)")
     return name
 
 
@@ -739,36 +740,27 @@ def score(
 
 
 def reward_metrics(scores: RewardScores, prefix: str = "reward") -> dict[str, float]:
-    """``<prefix>/mean`` and ``<prefix>/std`` (population) of the rewards, and ``<prefix>/<name>``, the mean of
-    each component's scores. Empty for an empty batch."""
+    """``<prefix>/mean`` and ``<prefix>/std`` (population) of the rewards, ``<prefix>/<name>``, the mean of
+    each component's scores, and ``<prefix>/judge_tokens``, the tokens the judges of model graders used for the
+    batch (when there are any). Empty for an empty batch."""
     if not scores.total:
         return {}
     metrics = {f"{prefix}/mean": statistics.fmean(scores.total), f"{prefix}/std": statistics.pstdev(scores.total)}
     for name, values in scores.components.items():
         metrics[f"{prefix}/{name}"] = statistics.fmean(values)
+    if scores.judge_tokens:
+        metrics[f"{prefix}/judge_tokens"] = float(sum(scores.judge_tokens.values()))
     return metrics
 
 
 def _score(grader: _AnyGrader, name: str, scoring: _Scoring) -> list[float]:
     """The scores of ``grader`` (called ``name``), recorded in ``scoring.components`` with those of its
     components."""
-    samples = scoring.samples
     if isinstance(grader, MultiGrader):
         parts = {key: _score(sub, key, scoring) for key, sub in grader.graders.items()}
-        scores = _combine(grader, name, parts, len(samples))
-    elif isinstance(grader, ModelGrader):
-        scores = _score_model(grader, name, samples, scoring.model_scorer)
-    elif isinstance(grader, StringCheckGrader | TextSimilarityGrader):
-        pairs = zip(samples.completions, samples.rows, strict=True)
-        scores = [_score_text(grader, name, completion, row) for completion, row in pairs]
-    elif isinstance(grader, HttpGrader):
-        scores = _score_http(grader, name, samples, scoring.should_stop)
-    elif isinstance(grader, ScoreModelGrader | LabelModelGrader):
-        scores = _score_judged(grader, name, scoring)
-    elif grader.source is not None:
-        scores = _score_source(grader, name, scoring)
+        scores = _combine(grader, name, parts, len(scoring.samples))
     else:
-        scores = _score_python(grader, samples)
+        scores = _LEAF_SCORERS[grader.type](grader, name, scoring)
     scoring.components[name] = scores
     threshold = grader.pass_threshold if isinstance(grader, TextSimilarityGrader | ScoreModelGrader) else None
     if threshold is not None:
@@ -797,7 +789,8 @@ def _number_problem(values: object, n: int) -> str | None:
 # 1. model graders: the engine's callback
 
 
-def _score_model(grader: ModelGrader, name: str, samples: Samples, model_scorer: ModelScorer | None) -> list[float]:
+def _score_model(grader: ModelGrader, name: str, scoring: _Scoring) -> list[float]:
+    samples, model_scorer = scoring.samples, scoring.model_scorer
     if model_scorer is None:
         raise RewardError(f"grader {name!r}: model graders need a model scorer, and none was given")
     scores = model_scorer(grader, samples)
@@ -808,6 +801,11 @@ def _score_model(grader: ModelGrader, name: str, samples: Samples, model_scorer:
 
 
 # 2. string_check and text_similarity graders
+
+
+def _score_texts(grader: StringCheckGrader | TextSimilarityGrader, name: str, scoring: _Scoring) -> list[float]:
+    pairs = zip(scoring.samples.completions, scoring.samples.rows, strict=True)
+    return [_score_text(grader, name, completion, row) for completion, row in pairs]
 
 
 def _score_text(
@@ -854,7 +852,8 @@ def _rouge_scorer(rouge_type: str) -> Any:
 # 3. http graders: OpenRLHF's remote reward model protocol
 
 
-def _score_http(grader: HttpGrader, name: str, samples: Samples, should_stop: StopCheck | None) -> list[float]:
+def _score_http(grader: HttpGrader, name: str, scoring: _Scoring) -> list[float]:
+    samples, should_stop = scoring.samples, scoring.should_stop
     labels = [
         None if grader.label is None else _render(grader.label, name, completion, row)
         for completion, row in zip(samples.completions, samples.rows, strict=True)
@@ -1016,9 +1015,11 @@ def _load_function(path: str) -> Callable[..., Any]:
     return function
 
 
-def _score_python(grader: PythonGrader, samples: Samples) -> list[float]:
-    path = grader.function
-    assert path is not None  # a source grader is _score_source's
+def _score_python(grader: PythonGrader, name: str, scoring: _Scoring) -> list[float]:
+    if grader.source is not None:
+        return _score_source(grader, name, scoring)
+    samples, path = scoring.samples, grader.function
+    assert path is not None  # one of source and function, checked by the spec
     function = _load_function(path)
     # TRL passes chat completions as messages: the completion is the assistant's reply
     completions = [
@@ -1181,3 +1182,15 @@ def _combine(grader: MultiGrader, name: str, parts: dict[str, list[float]], n: i
             raise RewardFormulaError(f"grader {name!r}: {grader.calculate_output!r} is {value} on sample {i}")
         scores.append(value)
     return scores
+
+
+_LEAF_SCORERS: dict[str, Callable[[Any, str, _Scoring], list[float]]] = {
+    "model": _score_model,
+    "string_check": _score_texts,
+    "text_similarity": _score_texts,
+    "http": _score_http,
+    "python": _score_python,
+    "score_model": _score_judged,
+    "label_model": _score_judged,
+}
+"""Each leaf grader kind's scorer, by ``type``: (the grader, its name, the scoring) → one score per sample."""

@@ -384,6 +384,7 @@ def _build_root(file_bytes: int, owner: tuple[int, int]) -> None:
     """2. Mount the new root on the working directory (the parent's empty temporary one), pivot into it, detach
     the old one, and go to the writable /work (``owner``'s)."""
     root = os.getcwd()
+    os.umask(0o022)  # the service's may be 077 (Settings.prepare_data_dir): the folders made here must be searchable
     host_dirs = _host_dirs()
     packages = [p for d in host_dirs for p in glob.glob(f"{d}/*-packages") + glob.glob(f"{d}/python3*/*-packages")]
     _libc("mount", None, "/", None, MS_REC | MS_PRIVATE, None)

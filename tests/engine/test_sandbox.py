@@ -179,6 +179,23 @@ def grade(sample, item):
     assert SECRET not in repr(batch) and "root:" not in repr(batch)
 
 
+def test_the_services_umask_leaves_the_interpreter_reachable(run: Run) -> None:
+    """The service runs under umask 077 (Settings.prepare_data_dir); the sandbox's root is still searchable by
+    nobody: the standard library imports, and a host path is missing rather than forbidden."""
+    source = """
+import socket
+def grade(sample, item):
+    open("/root/.bashrc")
+"""
+    previous = os.umask(0o077)
+    try:
+        batch = run(source, [({}, {})])
+    finally:
+        os.umask(previous)
+    assert batch.batch_error is None and batch.errors[0] is not None, batch
+    assert batch.errors[0].startswith("FileNotFoundError"), batch
+
+
 def test_the_root_holds_only_the_interpreter(run: Run) -> None:
     source = """
 import os

@@ -3,7 +3,6 @@ with chat data, trained SFT → RM → PPO with LoRA, answering ``/v1/chat/compl
 fine-tuning API with the official ``openai`` client."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,8 @@ from tests.models import SYSTEM_PROMPT, build_model, chat_rows, openai_rows, wri
 from tests.test_e2e import finished, free_port, wait_for
 
 LORA = {"r": 8, "alpha": 16}
+JUDGE = "llama-judge"
+"""The judge the server offers to model graders (``RLHF_JUDGES``)."""
 PPO_STEPS = 30
 ROWS = 256
 
@@ -43,16 +44,22 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Client, P
     assert run_job(JobSpec.model_validate(spec), work / "job", device=torch.device("cpu")).status == "succeeded"
     root = tmp_path_factory.mktemp("models")
     shutil.copytree(work / "job" / "checkpoints" / "step-50" / "policy", root / "llama")
-    before = os.environ.get("RLHF_MODEL_ROOT")
-    os.environ["RLHF_MODEL_ROOT"] = str(root)
-    try:
-        with embedded_server(tmp_path_factory.mktemp("server"), free_port()) as client:
+    # the operator offers a judge: a checkpoint this very server serves at /v1 (a short LoRA SFT of the llama)
+    data_dir, port = tmp_path_factory.mktemp("server"), free_port()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RLHF_MODEL_ROOT", str(root))
+        with embedded_server(data_dir, port) as client:
+            file = client.upload_file(data, "sft")["id"]
+            judge = client.create_job({"type": "sft", "model": "llama", "dataset": file, "lora": LORA,
+                                       "hyperparameters": {"max_steps": 2, "batch_size": 8}})  # fmt: skip
+            assert wait_for(client, judge["id"], finished)["status"] == "succeeded"
+        key = client.http.headers["Authorization"].removeprefix("Bearer ")
+        judges = {JUDGE: {"url": f"http://127.0.0.1:{port}/v1", "model": f"job:{judge['id']}",
+                          "api_key_env": "RLHF_TEST_JUDGE_KEY", "timeout_s": 120}}  # fmt: skip
+        env.setenv("RLHF_JUDGES", json.dumps(judges))
+        env.setenv("RLHF_TEST_JUDGE_KEY", key)
+        with embedded_server(data_dir, port) as client:
             yield client, root
-    finally:
-        if before is None:
-            os.environ.pop("RLHF_MODEL_ROOT")
-        else:
-            os.environ["RLHF_MODEL_ROOT"] = before
 
 
 def test_a_llama_with_chat_data_trains_sft_rm_ppo_with_lora_and_chats(
@@ -110,8 +117,16 @@ def test_the_openai_sdk_fine_tunes_a_llama_three_ways_and_chats_with_it(
     c, _ = server
     key = c.http.headers["Authorization"].removeprefix("Bearer ")
     oa = openai.OpenAI(api_key=key, base_url=f"{c.url}/v1", max_retries=0)
-    grader = {"type": "string_check", "name": "mood", "input": "{{sample.output_text}}",
-              "reference": "{{item.mood}}", "operation": "ilike"}  # fmt: skip
+    # OpenAI's RFT grader kinds in one multi: a judge (this server's llama, RLHF_JUDGES), python source, string_check
+    judge = {"type": "score_model", "name": "judge", "model": JUDGE, "range": [0, 10],
+             "sampling_params": {"max_completions_tokens": 4, "temperature": 1.0, "seed": 1},
+             "input": [{"role": "system", "content": "Rate how {{item.mood}} this review is, from 0 to 10."},
+                       {"role": "user", "content": "{{sample.output_text}}"}]}  # fmt: skip
+    words = "def grade(sample, item):\n    return min(len(sample['output_text'].split()) / 8, 1.0)\n"
+    mood = {"type": "string_check", "input": "{{sample.output_text}}", "reference": "{{item.mood}}",
+            "operation": "ilike"}  # fmt: skip
+    grader = {"type": "multi", "name": "graded", "calculate_output": "mood + 0.05 * judge + 0.5 * words",
+              "graders": {"judge": judge, "words": {"type": "python", "source": words}, "mood": mood}}  # fmt: skip
     methods: dict[str, tuple[int, dict[str, Any]]] = {
         "supervised": (32, {"supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 8,
                                                                "learning_rate_multiplier": 3}}}),
@@ -158,8 +173,20 @@ def test_the_openai_sdk_fine_tunes_a_llama_three_ways_and_chats_with_it(
     native = {job["id"]: job for job in c.request("GET", "/v1/jobs", params={"limit": 100})["data"]}
     assert [native[job_id]["type"] for job_id in created.values()] == ["sft", "dpo", "grpo"]
     assert [native[job_id]["name"] for job_id in created.values()] == list(methods)
-    rewards = c.request("GET", f"/v1/jobs/{created['reinforcement']}/metrics", params={"names": "reward/mood"})
-    assert len(rewards["data"]["reward/mood"]) == 2  # 8 prompts in batches of 4: two steps, the grader's reward
+    # 8 prompts in batches of 4: two steps, each logging the multi and its components; the judge was asked
+    names = ["reward/graded", "reward/mood", "reward/judge", "reward/judge/invalid", "reward/words",
+             "reward/words/errors", "reward/judge_tokens"]  # fmt: skip
+    rewards = c.request("GET", f"/v1/jobs/{created['reinforcement']}/metrics", params={"names": ",".join(names)})
+    assert {name: len(rewards["data"][name]) for name in names} == dict.fromkeys(names, 2), rewards
+    print({name: [round(point["value"], 3) for point in rewards["data"][name]] for name in names})
+    # the tiny judge rarely answers with a number: those samples score 0, and the job says so once
+    warnings = [e.message for e in oa.fine_tuning.jobs.list_events(created["reinforcement"], limit=100)
+                if e.message.startswith("grader 'judge' scored 0")]  # fmt: skip
+    assert len(warnings) == int(any(point["value"] > 0 for point in rewards["data"]["reward/judge/invalid"]))
+    assert all(point["value"] > 0 for point in rewards["data"]["reward/judge_tokens"])
+    assert all(point["value"] == 0 for point in rewards["data"]["reward/words/errors"])
+    for point, words_point in zip(rewards["data"]["reward/graded"], rewards["data"]["reward/words"], strict=True):
+        assert point["value"] >= 0.5 * words_point["value"] - 1e-6  # the other components are never negative
 
 
 def test_rlhf_generate_chats_with_a_job_and_with_a_model_folder(server: tuple[Client, Path], tmp_path: Path) -> None:

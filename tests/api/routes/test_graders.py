@@ -125,7 +125,9 @@ def test_errors_are_flagged_as_openai_flags_them(oa: openai.OpenAI, judge: Judge
 
 
 def test_validate_answers_the_grader_or_a_400_naming_the_field(oa: openai.OpenAI) -> None:
-    for grader in (STRING_CHECK, SIMILARITY, PYTHON, SCORE_MODEL, LABEL_MODEL):
+    multi = {"type": "multi", "name": "all", "calculate_output": "exact + code", "graders": {"exact": STRING_CHECK,
+             "code": PYTHON}}  # fmt: skip
+    for grader in (STRING_CHECK, SIMILARITY, PYTHON, SCORE_MODEL, LABEL_MODEL, multi):
         validated = oa.fine_tuning.alpha.graders.validate(grader=grader)  # type: ignore[arg-type]
         assert validated.grader is not None and validated.grader.type == grader["type"]
     refusals = [
