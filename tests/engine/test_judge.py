@@ -82,7 +82,7 @@ def test_a_score_model_grader_asks_the_judge_each_sample_and_counts_unreadable_a
     assert "hmm, hard to say" in scored.errors["judged"]
     assert scored.judge_tokens == {"judge-small": 36}
     metrics = reward_metrics(scored)
-    assert metrics["reward/judged/invalid"] == pytest.approx(1 / 3)
+    assert metrics["reward/judged/invalid"] == pytest.approx(1 / 3) and metrics["reward/judge_tokens"] == 36
     sent = sorted(judge.requests, key=lambda r: r["messages"][0]["content"])
     assert [r["messages"][0]["content"] for r in sent] == ["About cats: maybe", "About cats: no", "About cats: yes"]
     first = sent[0]
