@@ -89,6 +89,14 @@ def delete_checkpoint(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def new_checkpoint_dir(out_dir: Path, step: int) -> Path:
+    """The hidden temporary folder ``step-N`` is written in (what a crash of an earlier run left is removed)."""
+    root = checkpoints_dir(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out_dir)
+    return Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{step}-", dir=root))
+
+
 def save_checkpoint(
     out_dir: Path,
     step: int,
@@ -96,16 +104,18 @@ def save_checkpoint(
     tokenizer: PreTrainedTokenizerBase,
     state: dict[str, Any],
     keep: int,
+    tmp: Path | None = None,
+    model_states: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Write ``step-N`` atomically, then delete all but the newest ``keep`` checkpoints."""
+    """Write ``step-N`` atomically, then delete all but the newest ``keep`` checkpoints. ``tmp``: its folder from
+    :func:`new_checkpoint_dir`, when other ranks wrote into it first (a sharded optimizer); ``model_states``: the
+    models' whole state dicts by name, for sharded models."""
     root = checkpoints_dir(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out_dir)  # left by a crash of an earlier run of this job
     final = root / f"step-{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{step}-", dir=root))
+    tmp = tmp or new_checkpoint_dir(out_dir, step)
     try:
         for name, model in models.items():
-            save_model(model, tokenizer, tmp / name)
+            save_model(model, tokenizer, tmp / name, (model_states or {}).get(name))
         torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)  # last: marks it complete
         _sync_tree(tmp)  # on disk before it is named, so a lost machine cannot leave a renamed empty file
         if final.exists():  # a re-run of the same step (e.g. a redelivered job): replace it

@@ -10,19 +10,28 @@ gradients over the ranks, so each rank scales the loss it backpropagates by the 
 (:attr:`Ranks.loss_scale`), and the averaged gradient is the gradient of the global batch's loss: the same
 as one process training on the whole batch. Rank 0 reports metrics, answers stop requests (broadcast to
 the others, so all stop together) and writes checkpoints.
+
+With ``resources.sharding: "fsdp"`` the trained and the frozen models are sharded instead (FSDP2,
+``torch.distributed.fsdp.fully_shard``, one unit per transformer block and one for the rest): each rank holds
+``1/world_size`` of every parameter, gradient and optimizer state, and a forward gathers each block's weights as
+it reaches it, so every rank must run the same forwards. Gradients are reduce-scattered in fp32 and averaged, as
+DDP's are (so :attr:`Ranks.loss_scale` holds for both). What one rank does alone — evaluating, sampling, saving
+the consolidated Hugging Face folder — runs inside :meth:`Ranks.gathered`, which every rank enters together.
 """
 
 import inspect
-from collections.abc import Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 T = TypeVar("T")
+Sharding = Literal["ddp", "fsdp"]
 
 
 @dataclass(frozen=True)
@@ -31,13 +40,22 @@ class Ranks:
 
     rank: int = 0
     world_size: int = 1
+    sharding: Sharding = "ddp"
+    """How several processes hold the models: whole copies (DDP) or shards (FSDP2)."""
+    cpu_offload: bool = False
+    """With FSDP: parameters, gradients and optimizer state between steps in CPU memory."""
 
     @classmethod
-    def current(cls) -> "Ranks":
+    def current(cls, sharding: Sharding = "ddp", cpu_offload: bool = False) -> "Ranks":
         """From the initialised process group, or a single process when there is none."""
         if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size())
+            return cls(dist.get_rank(), dist.get_world_size(), sharding, cpu_offload)
         return cls()
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the models are FSDP shards (several processes with ``sharding="fsdp"``)."""
+        return self.sharding == "fsdp" and self.world_size > 1
 
     @property
     def is_main(self) -> bool:
@@ -60,19 +78,64 @@ class Ranks:
         the module itself. Buffers are not broadcast: every rank holds the same ones, and a broadcast per forward
         would tie evaluation on rank 0 alone to the other ranks."""
         wrapped = module
-        if self.world_size > 1:
+        if self.sharded:
+            wrapped = self.shard(module)
+        elif self.world_size > 1:
             device = next(module.parameters()).device
             device_ids = [device.index] if device.type == "cuda" else None
             wrapped = DistributedDataParallel(module, device_ids=device_ids, **_NO_BUFFER_SYNC)
         return cast(torch.nn.Module, torch.compile(wrapped, dynamic=True)) if compile else wrapped
 
-    def no_sync(self, wrapped: torch.nn.Module, last: bool) -> AbstractContextManager[Any]:
+    def shard(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` made FSDP2 shards in place (a no-op for one process or DDP): each transformer block (the
+        classes Hugging Face names in ``_no_split_modules``) a unit, the root the rest; gradients reduced in
+        fp32. A frozen model (a reference) is sharded the same way and gathers its blocks as it computes."""
+        if not self.sharded or isinstance(module, FSDPModule):
+            return module
+        policy: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32)}
+        if self.cpu_offload and next(module.parameters()).device.type != "cpu":  # on the CPU they are there
+            policy["offload_policy"] = CPUOffloadPolicy()
+        blocks = set().union(*(getattr(m, "_no_split_modules", None) or () for m in module.modules()))
+        for sub in module.modules():
+            if type(sub).__name__ in blocks:
+                fully_shard(sub, **policy)
+        fully_shard(module, **policy)
+        return module
+
+    @contextmanager
+    def gathered(self, *modules: torch.nn.Module) -> Iterator[None]:
+        """Within this block every FSDP unit of ``modules`` holds its whole weights, on every rank, so a rank may
+        evaluate, sample or read them alone (no collective in a forward); every rank enters it together. A no-op
+        unless sharded."""
+        units = [unit for m in modules for unit in m.modules() if isinstance(unit, FSDPModule)] if self.sharded else []
+        # FSDP2 keeps a root's weights gathered after its forward (backward needs them at once): it stays so after
+        reshards = [not unit._get_fsdp_state()._is_root for unit in units]
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit, reshard in zip(units, reshards, strict=True):
+                unit.reshard()
+                unit.set_reshard_after_forward(reshard, recurse=False)
+
+    @contextmanager
+    def no_sync(self, wrapped: torch.nn.Module, last: bool) -> Iterator[None]:
         """Around a micro-batch's forward and backward: gradients are averaged only on the step's ``last``
         micro-batch (the ones before it accumulate locally)."""
-        ddp = getattr(wrapped, "_orig_mod", wrapped)  # inside torch.compile's wrapper
-        if isinstance(ddp, DistributedDataParallel) and not last:
-            return ddp.no_sync()
-        return nullcontext()
+        inner = getattr(wrapped, "_orig_mod", wrapped)  # inside torch.compile's wrapper
+        if isinstance(inner, FSDPModule):
+            inner.set_requires_gradient_sync(last)
+            try:
+                yield
+            finally:
+                inner.set_requires_gradient_sync(True)
+        elif isinstance(inner, DistributedDataParallel) and not last:
+            with inner.no_sync():
+                yield
+        else:
+            yield
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Element-wise sum over the ranks (in place), e.g. of per-rank partial losses."""

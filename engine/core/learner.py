@@ -160,6 +160,7 @@ class Learner:
         """AdamW over the policy's parameters at ``cfg.learning_rate`` and ``more`` groups (e.g. a critic's), the
         schedule, both restored when resuming (:meth:`engine.core.loop.Run.start_training`); :meth:`optim_step` clips
         the norm of all of them together."""
+        run.trained_module = self.trained
         start = run.start_training(cfg, total_steps, (self.params, cfg.learning_rate), *more)
         self.use_optimizer(start.optimizer, start.scheduler, cfg.max_grad_norm)
         return start

@@ -15,9 +15,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.callbacks import Callbacks
+from engine.core import sharded
 from engine.core.checkpoint import (
+    delete_checkpoint,
     latest_checkpoint,
     load_trainer_state,
+    new_checkpoint_dir,
     save_checkpoint,
     write_job_file,
     write_spec_file,
@@ -141,6 +144,8 @@ class Run:
         found = latest_checkpoint(out_dir)
         self.resume_from = found[1] if found else None
         """The checkpoint to resume from, or None for a fresh start."""
+        self.trained_module: torch.nn.Module | None = None
+        """What the optimizer's parameters are named by (the trained module), for a sharded optimizer state."""
         self._at_end: list[Callable[[], None]] = []
 
     def at_end(self, action: Callable[[], None]) -> None:
@@ -226,7 +231,12 @@ class Run:
         if state is None and self.ranks.is_main:
             write_spec_file(self.out_dir, self.spec)
         if state:
-            optimizer.load_state_dict(state["optimizer"])
+            if self.ranks.sharded:
+                assert self.trained_module is not None, "a sharded job names its trained module before it starts"
+                assert self.resume_from is not None
+                sharded.load_optimizer(self.trained_module, optimizer, self.resume_from / sharded.OPTIMIZER_DIR)
+            else:
+                optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             self.callbacks.on_event("info", f"resumed from step {start_step}", {"step": start_step})
         self.callbacks.on_start(start_step, total_steps)
@@ -249,13 +259,7 @@ class Run:
         final = step >= self.total_steps
         stop = None if final else self.ranks.broadcast(self.callbacks.should_stop())
         if final or stop == "pause" or step % self.spec.checkpoint_every == 0:
-            extra = extra_state()
-            if self.ranks.is_main:
-                state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), **extra}
-                self.last_checkpoint = save_checkpoint(
-                    self.out_dir, step, models, self.tokenizer, state, keep=self.spec.keep_checkpoints
-                )
-                self.callbacks.on_checkpoint(step, self.last_checkpoint, metrics)
+            self._checkpoint(step, models, extra_state(), metrics)
         if final:
             if self.ranks.is_main:
                 write_job_file(
@@ -297,11 +301,59 @@ class Run:
         )
         return JobResult("paused", step, newest[1] if newest else None, metrics)
 
+    def _checkpoint(
+        self, step: int, models: dict[str, PreTrainedModel], extra: dict[str, Any], metrics: dict[str, float]
+    ) -> None:
+        """Write ``step-N`` (rank 0). Sharded, every rank takes part: each writes its optimizer shards into the
+        folder rank 0 opened, and the models' weights are gathered to rank 0, which writes them as Hugging Face
+        folders (within :meth:`Ranks.gathered`, so that LoRA's adapters are whole as they are merged)."""
+        assert self.optimizer is not None and self.scheduler is not None
+        ranks, keep = self.ranks, self.spec.keep_checkpoints
+        state = {"scheduler": self.scheduler.state_dict(), **extra}
+        if not ranks.sharded:
+            if ranks.is_main:
+                state["optimizer"] = self.optimizer.state_dict()
+                self.last_checkpoint = save_checkpoint(self.out_dir, step, models, self.tokenizer, state, keep)
+                self.callbacks.on_checkpoint(step, self.last_checkpoint, metrics)
+            return
+        assert self.trained_module is not None
+        tmp = ranks.broadcast(new_checkpoint_dir(self.out_dir, step) if ranks.is_main else None)
+        assert tmp is not None
+        try:
+            sharded.save_optimizer(self.trained_module, self.optimizer, tmp / sharded.OPTIMIZER_DIR)
+            model_states = {name: sharded.full_state_dict(model) for name, model in models.items()}
+            with ranks.gathered(*models.values()):
+                if ranks.is_main:
+                    path = save_checkpoint(self.out_dir, step, models, self.tokenizer, state, keep, tmp, model_states)
+        except BaseException:
+            if ranks.is_main:
+                delete_checkpoint(tmp)
+            raise
+        if ranks.is_main:
+            self.last_checkpoint = path
+            self.callbacks.on_checkpoint(step, path, metrics)
+
     def _report(self, step: int, metrics: dict[str, float], models: dict[str, PreTrainedModel]) -> None:
-        if self.ranks.world_size > 1:
+        if self.ranks.world_size > 1 and not self.ranks.sharded:  # shards differ by design
             trained = (p for model in models.values() for p in model.parameters() if p.requires_grad)
             metrics["dist/weight_spread"] = self.ranks.weight_spread(trained)
+        metrics["memory/state_bytes"] = self._state_bytes(models)
         self.callbacks.on_metrics(step, metrics)
+
+    def _state_bytes(self, models: dict[str, PreTrainedModel]) -> float:
+        """This rank's bytes of the models' parameters, of the trained ones' gradients (as large as they) and of
+        the optimizer state: what sharding divides."""
+
+        def local(tensor: torch.Tensor) -> int:
+            held = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            return held.numel() * held.element_size()
+
+        params = {id(p): p for model in models.values() for p in model.parameters()}.values()
+        total = sum(local(p) * (2 if p.requires_grad else 1) for p in params)
+        if self.optimizer is not None:
+            state = self.optimizer.state.values()
+            total += sum(local(v) for s in state for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return float(total)
 
     def result_if_finished(self, start_step: int) -> JobResult | None:
         """A job resumed from its final checkpoint has nothing left to do."""
@@ -341,7 +393,8 @@ def open_supervised(
     cfg = spec.config
     assert isinstance(cfg, SFTConfig)
     seed_everything(spec.seed)
-    ranks = Ranks.current()  # several processes: each takes its share of every batch
+    # several processes: each takes its share of every batch (and with FSDP holds a shard of each model)
+    ranks = Ranks.current(spec.resources.sharding, spec.resources.cpu_offload)
     # the batch order is a function of (seed, step), so resuming needs only the step
     rows, eval_rows = load_datasets(spec, kind, ranks)
     run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows})

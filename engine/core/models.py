@@ -7,7 +7,7 @@ output folder (its final checkpoint), or a checkpoint folder ``.../checkpoints/s
 import copy
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -177,18 +177,24 @@ class RewardModelError(ValueError):
     """A model named as a reward model cannot score (no trained head)."""
 
 
-def lm_head_weight(model: PreTrainedModel, ref: str) -> torch.Tensor:
-    """The LM head (V, H) for an LM loss on a classifier's hidden states (which has no LM head of its own).
+def lm_head_weight(model: PreTrainedModel, ref: str) -> Callable[[], torch.Tensor]:
+    """The LM head (V, H) for an LM loss on a classifier's hidden states (which has no LM head of its own), read
+    when called.
 
-    With tied embeddings (GPT-2) it is the input embedding matrix, trained with the backbone. Untied (Llama,
-    Qwen2, Mistral, GPT-NeoX by default) it is the causal LM ``ref``'s own ``lm_head``, kept frozen: the
+    With tied embeddings (GPT-2) it is the input embedding matrix, trained with the backbone: read from the model
+    at each call, since a sharded model (FSDP) registers its gathered weights only while it computes. Untied
+    (Llama, Qwen2, Mistral, GPT-NeoX by default) it is the causal LM ``ref``'s own ``lm_head``, kept frozen: the
     classifier trains and saves no LM head.
     """
     classifier = model.get_base_model() if is_lora(model) else model  # type: ignore[operator]
     if getattr(classifier.config, "tie_word_embeddings", True):
-        weight = classifier.get_input_embeddings().weight
-        assert isinstance(weight, torch.Tensor)
-        return weight
+
+        def embeddings() -> torch.Tensor:
+            weight = classifier.get_input_embeddings().weight
+            assert isinstance(weight, torch.Tensor)
+            return weight
+
+        return embeddings
     causal, info = _from_pretrained(AutoModelForCausalLM, ref, output_loading_info=True)
     head = causal.get_output_embeddings()
     head_names = {name for name, param in causal.named_parameters() if head is not None and param is head.weight}
@@ -197,7 +203,8 @@ def lm_head_weight(model: PreTrainedModel, ref: str) -> torch.Tensor:
             f"lm_loss_coef needs the LM head of the starting model, and {ref!r} has none (not a causal LM)"
         )
     embedding = classifier.get_input_embeddings().weight
-    return head.weight.detach().to(device=embedding.device, dtype=embedding.dtype)
+    frozen_head = head.weight.detach().to(device=embedding.device, dtype=embedding.dtype)
+    return lambda: frozen_head
 
 
 def _from_pretrained(auto: type, ref: str, **kwargs: object) -> Any:
@@ -460,10 +467,12 @@ def base_name(name: str) -> str:
     return re.sub(r"\.base_layer(?=\.|$)", "", name)
 
 
-def merged_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: PreTrainedModel, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The base model's weights with the adapters folded in, under the base model's own names.
 
-    Computed on the side (W + ΔW per adapted parameter) so the training weights are never touched.
+    Computed on the side (W + ΔW per adapted parameter) so the training weights are never touched. ``state``:
+    the LoRA model's whole state dict, when ``model.state_dict()`` would give shards (FSDP; the adapters are then
+    read from the gathered modules).
     """
     from peft.tuners.lora import LoraLayer, ParamWrapper
 
@@ -474,7 +483,9 @@ def merged_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
             param = module.parameter_name if isinstance(module, ParamWrapper) else "weight"
             deltas[base_name(f"{name}.{param}")] = module.get_delta_weight(module.active_adapters[0])  # type: ignore[attr-defined]
     merged = {}
-    for key, value in base.state_dict().items():
+    prefix = "base_model.model."  # a PeftModel's state dict names the base model's weights under it
+    base_state = base.state_dict() if state is None else {k.removeprefix(prefix): v for k, v in state.items()}
+    for key, value in base_state.items():
         if ".lora_" in key or ".original_module." in key:
             continue
         key = base_name(key).replace(".modules_to_save.default.", ".")
@@ -484,19 +495,33 @@ def merged_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     return merged
 
 
-def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
+def save_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path, state: dict[str, torch.Tensor] | None = None
+) -> None:
     """Hugging Face layout (safetensors + tokenizer), loadable by plain transformers.
 
     A LoRA model is saved merged at ``path``, and its adapters beside it in ``adapters/<name>``
-    for resuming.
+    for resuming. ``state``: the model's whole state dict, for a sharded model (FSDP) whose own gives shards.
     """
     if is_lora(model):
-        model.get_base_model().save_pretrained(path, state_dict=merged_state_dict(model))  # type: ignore[operator]
-        model.save_pretrained(path.parent / "adapters" / path.name)
+        merged = merged_state_dict(model, state)
+        model.get_base_model().save_pretrained(path, state_dict=merged)  # type: ignore[operator]
+        model.save_pretrained(path.parent / "adapters" / path.name, state_dict=state)
+    elif state is not None:
+        model.save_pretrained(path, state_dict=untied(model, state))
     else:
         model.save_pretrained(path)
     check_saved(model, path)
     tokenizer.save_pretrained(path)
+
+
+def untied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (a gathered copy of ``model``'s) with each tied weight once, under its first name, as a plain
+    ``save_pretrained`` writes it (GPT-2's output layer is its input embedding): the copies share no storage, so
+    save_pretrained would write both."""
+    first: dict[int, str] = {}
+    tied = [name for name, t in model.state_dict(keep_vars=True).items() if first.setdefault(id(t), name) != name]
+    return {name: value for name, value in state.items() if name not in tied}
 
 
 class IncompleteSaveError(RuntimeError):

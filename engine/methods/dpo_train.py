@@ -147,6 +147,7 @@ def train_dpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     if spec.lora is None:
         reference = prepare(load_causal_lm(spec.model, tokenizer, spec.seed), device, cfg.dtype, False).eval()
         reference.requires_grad_(False)
+        ranks.shard(reference)  # with FSDP a frozen model is sharded too
     learner = Learner(model, ranks)
     start = learner.start_training(run, cfg, total_steps)
     if start.finished:
@@ -196,8 +197,11 @@ def train_dpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         metrics["loss/dpo"] = loss_sum  # the optimised loss, RPO's term included
         metrics.update({"lr": lr, "grad_norm": grad_norm, "time/step_s": elapsed,
                         "throughput/tokens_per_s": n_seen / elapsed})  # fmt: skip
-        if eval_batches and (step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-            metrics.update(evaluate(model, reference, eval_batches, cfg))
+        if run.eval_due(step, cfg.eval_every):
+            frozen = () if reference is None else (reference,)
+            with ranks.gathered(model, *frozen):  # rank 0 evaluates its held-out pairs (the others have none)
+                if eval_batches:
+                    metrics.update(evaluate(model, reference, eval_batches, cfg))
         if result := run.end_step(step, metrics, {"policy": model}):
             return result
     raise AssertionError("unreachable: the last step ends the run")

@@ -5,6 +5,7 @@ plus an optional LM loss on the chosen text (MOSS-RLHF, arXiv:2307.04964).
 """
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ def pair_gradients(
     micro_batches: list[dict[str, torch.Tensor]],
     cfg: RMConfig,
     pad_token_id: int,
-    lm_head: torch.Tensor | None,
+    lm_head: Callable[[], torch.Tensor] | None,
     n_lm_tokens: int,
 ) -> tuple[float, torch.Tensor]:
     """The pairwise loss over a batch (a mean over its pairs), with the LM loss on the chosen completions when
@@ -81,7 +82,7 @@ def pair_gradients(
             chosen, rejected = rewards.chunk(2)  # (b,), (b,)
             loss = -F.logsigmoid(chosen - rejected - cfg.margin).sum() / cfg.batch_size
             if lm_head is not None:
-                loss = loss + cfg.lm_loss_coef * lm_loss_sum(lm_head, hidden, batch["labels"]) / n_lm_tokens
+                loss = loss + cfg.lm_loss_coef * lm_loss_sum(lm_head(), hidden, batch["labels"]) / n_lm_tokens
             (loss * learner.ranks.loss_scale).backward()
         margins.append((chosen - rejected).detach())
         return {"loss": loss.detach()}
@@ -139,8 +140,10 @@ def train_rm(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.d
             "time/step_s": elapsed,
             "throughput/tokens_per_s": n_seen / elapsed,
         }
-        if eval_batches and run.eval_due(step, cfg.eval_every):
-            metrics["eval/accuracy"], metrics["eval/margin"] = evaluate_pairs(model, eval_batches)
+        if run.eval_due(step, cfg.eval_every):
+            with ranks.gathered(learner.trained):  # rank 0 evaluates its held-out rows (the others have none)
+                if eval_batches:
+                    metrics["eval/accuracy"], metrics["eval/margin"] = evaluate_pairs(model, eval_batches)
         if result := run.end_step(step, metrics, {"policy": model}):
             return result
     raise AssertionError("unreachable: the last step ends the run")

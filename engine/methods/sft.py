@@ -58,8 +58,10 @@ def train_sft(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
             "time/step_s": elapsed,
             "throughput/tokens_per_s": n_seen / elapsed,
         }
-        if eval_batches and run.eval_due(step, cfg.eval_every):
-            metrics["eval/loss"] = eval_loss(model, eval_batches)
+        if run.eval_due(step, cfg.eval_every):
+            with ranks.gathered(model):  # rank 0 evaluates its held-out rows (the others have none)
+                if eval_batches:
+                    metrics["eval/loss"] = eval_loss(model, eval_batches)
         if result := run.end_step(step, metrics, {"policy": model}):
             return result
     raise AssertionError("unreachable: the last step ends the run")

@@ -117,7 +117,7 @@ def test_lm_loss_of_an_untied_model_uses_its_lm_head(llama: Path, tmp_path: Path
     classifier = load_scalar_model(str(llama), tokenizer, 0)
     causal = AutoModelForCausalLM.from_pretrained(llama)
     assert not causal.config.tie_word_embeddings
-    head = lm_head_weight(classifier, str(llama))
+    head = lm_head_weight(classifier, str(llama))()
     torch.testing.assert_close(head, causal.lm_head.weight, rtol=0, atol=0)
     assert not torch.equal(head, classifier.get_input_embeddings().weight)
     data = write_jsonl(chat_rows("preference", 8), tmp_path / "prefs.jsonl")

@@ -170,6 +170,14 @@ def test_not_a_dataset_reference():
     assert _error(JobSpec, _spec("sft", dataset="train.csv")).startswith("dataset:")
 
 
+def test_sharding_is_refused_where_it_does_not_apply():
+    assert "is for sft, rm and dpo jobs; ppo trains" in _error(JobSpec, _spec("ppo", resources={"sharding": "fsdp"}))
+    offload = _error(JobSpec, _spec("sft", resources={"num_processes": 2, "cpu_offload": True}))
+    assert "resources" in offload and 'cpu_offload needs sharding "fsdp"' in offload
+    sharded = {"num_processes": 2, "sharding": "fsdp", "cpu_offload": True}
+    assert JobSpec.model_validate(_spec("sft", resources=sharded)).resources.cpu_offload
+
+
 def test_ppo_without_reward_model():
     spec = _spec("ppo")
     del spec["reward_model"]

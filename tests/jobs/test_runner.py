@@ -36,7 +36,7 @@ from tests.jobs.helpers import (
 )
 from tests.services import PG_ADMIN_URL
 
-SFT_METRICS = {"loss/sft", "lr", "grad_norm", "time/step_s", "throughput/tokens_per_s"}
+SFT_METRICS = {"loss/sft", "lr", "grad_norm", "time/step_s", "throughput/tokens_per_s", "memory/state_bytes"}
 
 
 def hooked(monkeypatch: pytest.MonkeyPatch, after_step: int, action: Callable[[], None]) -> list[int]:

@@ -46,7 +46,7 @@ from jobs.store.models import File, Job
 from tests.api.helpers import PPO_SPEC, RM_SPEC, SFT_SPEC, Db
 from tests.factories import make_settings, new_project
 
-MAX_EXAMPLES = 150
+MAX_EXAMPLES = 100
 """Generated requests per operation (and per generation mode); the whole run stays well under 2 minutes."""
 
 STATEFUL_EXAMPLES = 50
