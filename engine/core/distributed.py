@@ -107,18 +107,35 @@ class Ranks:
         """Within this block every FSDP unit of ``modules`` holds its whole weights, on every rank, so a rank may
         evaluate, sample or read them alone (no collective in a forward); every rank enters it together. A no-op
         unless sharded."""
-        units = [unit for m in modules for unit in m.modules() if isinstance(unit, FSDPModule)] if self.sharded else []
-        # FSDP2 keeps a root's weights gathered after its forward (backward needs them at once): it stays so after
-        reshards = [not unit._get_fsdp_state()._is_root for unit in units]
+        if not self.sharded:
+            yield
+            return
+        found = [unit for m in modules for unit in m.modules() if isinstance(unit, FSDPModule)]
+        # a unit's mode is its model's: frozen only when nothing of the model trains
+        frozen = {id(unit) for m in modules if not any(p.requires_grad for p in m.parameters())
+                  for unit in m.modules()}  # fmt: skip
+        units = [unit for unit in dict.fromkeys(found) if id(unit) not in _GATHERED]  # an outer block has the rest
+        # FSDP2 keeps a root's weights gathered after its forward (backward needs them at once): it stays so after.
+        # A root is within no other unit (a unit the block was not given whole is taken for one: it then stays
+        # gathered from its forward to its backward, which costs memory, not correctness)
+        inner = {id(sub) for unit in found for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)}
+        reshards = [id(unit) in inner for unit in units]
+        # FSDP keeps the gathered tensors and writes into them at each gathering, which inference mode allows only
+        # on tensors made in it: a trained model's are made for training (outside it), a frozen model's by its
+        # forwards, which all run in it
         for unit in units:
+            _GATHERED.add(id(unit))
             unit.set_reshard_after_forward(False, recurse=False)
-            unit.unshard()
+            with torch.inference_mode(id(unit) in frozen):
+                unit.unshard()
         try:
             yield
         finally:
             for unit, reshard in zip(units, reshards, strict=True):
-                unit.reshard()
+                with torch.inference_mode(id(unit) in frozen):
+                    unit.reshard()
                 unit.set_reshard_after_forward(reshard, recurse=False)
+                _GATHERED.discard(id(unit))
 
     @contextmanager
     def no_sync(self, wrapped: torch.nn.Module, last: bool) -> Iterator[None]:
@@ -188,6 +205,9 @@ class Ranks:
         everyone = self.gather(fingerprint.unsqueeze(0))  # (world, 2)
         return (everyone.max(0).values - everyone.min(0).values).max().item()
 
+
+_GATHERED: set[int] = set()
+"""The FSDP units a :meth:`Ranks.gathered` block holds gathered now (an inner block leaves them to it)."""
 
 # Named forward_sync_buffers since torch 2.13 (broadcast_buffers before).
 _NO_BUFFER_SYNC: dict[str, Any] = {

@@ -144,6 +144,8 @@ class Learner:
         self.chunk_size = chunk_size
         """Rows per no-grad forward."""
         self.reference = reference
+        if isinstance(reference, torch.nn.Module):
+            ranks.shard(reference)  # with FSDP a frozen reference is sharded too
         self.decoder = decoder
         self.trained = ranks.wrap(head or model, compile=compile)
         """What training passes run through: ``model`` or its ``head`` (a scalar model's
@@ -153,6 +155,11 @@ class Learner:
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.max_grad_norm: float | None = None
         self._clipped: list[torch.nn.Parameter] = self.params
+
+    def gathered(self) -> AbstractContextManager[None]:
+        """:meth:`Ranks.gathered` of the policy and its frozen reference: within it one rank may compute alone."""
+        frozen = (self.reference,) if isinstance(self.reference, torch.nn.Module) else ()
+        return self.ranks.gathered(self.trained, *frozen)
 
     def start_training(
         self, run: Run, cfg: TrainConfig, total_steps: int, *more: tuple[list[torch.nn.Parameter], float]
@@ -285,7 +292,8 @@ class Learner:
         caller that takes the training pass's itself, for ``rollout_correction``)."""
         s = self.sampling
         self.model.eval()
-        with folded_adapters(self.model, rounded=True):
+        # sharded (FSDP): every rank gathers the weights, then decodes its share alone, as long as it takes
+        with self.ranks.gathered(self.model), folded_adapters(self.model, rounded=True):
             raw, logprobs = sample(self.model, queries, query_mask, s.response_length, s.temperature, top_k=s.top_k,
                                    eos_token_id=s.stop_token_ids, generator=generator, group_size=group_size,
                                    decoder=self.decoder)  # fmt: skip

@@ -248,7 +248,8 @@ def open_prompts(
     field that names them."""
     assert isinstance(spec.config, SamplingConfig)
     seed_everything(spec.seed)
-    ranks = Ranks.current()  # several processes: each rolls out and trains on its share of every batch
+    # several processes: each rolls out and trains on its share of every batch (with FSDP: holding a shard)
+    ranks = Ranks.current(spec.resources.sharding, spec.resources.cpu_offload)
     rows, eval_rows = load_datasets(spec, "prompts", ranks)
     eval_rows = eval_rows[: spec.config.eval_max_prompts]
     run = Run.open(spec, out_dir, callbacks, ranks, {"dataset": rows, "eval_dataset": eval_rows, **(more or {})})

@@ -113,10 +113,12 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         })  # fmt: skip
         if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
             metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()
-        if eval_rows and run.eval_due(step, cfg.eval_every):
-            roll = partial(roll_out_rows, learner, tokenizer, cfg.max_prompt_length, eval_scorer)
-            held = evaluate(roll, tokenizer, eval_rows, cfg.batch_size, spec.seed, device)
-            metrics.update({k: v for k, v in held.items() if k not in ("eval/scores", "eval/kl")})
+        if run.eval_due(step, cfg.eval_every):
+            with learner.gathered():  # rank 0 evaluates its held-out prompts (the others have none)
+                if eval_rows:
+                    roll = partial(roll_out_rows, learner, tokenizer, cfg.max_prompt_length, eval_scorer)
+                    held = evaluate(roll, tokenizer, eval_rows, cfg.batch_size, spec.seed, device)
+                    metrics.update({k: v for k, v in held.items() if k not in ("eval/scores", "eval/kl")})
         if result := run.end_step(step, metrics, {"policy": learner.model}, rng.state):
             return result
     raise AssertionError("unreachable: the last step ends the run")

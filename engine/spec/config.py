@@ -693,7 +693,7 @@ class Resources(_Strict):
     """How the processes hold the models. ``ddp``: each a whole copy of every model, its gradients and optimizer
     state (DistributedDataParallel). ``fsdp``: each ``1/num_processes`` of them (FSDP2, one unit per transformer
     block, gradients reduced in fp32), for models one device cannot hold; checkpoints keep the optimizer state
-    sharded and the weights as ordinary Hugging Face folders. sft, rm and dpo jobs so far."""
+    sharded and the weights as ordinary Hugging Face folders. sft, rm, dpo and grpo jobs so far."""
     cpu_offload: bool = False
     """With ``fsdp``: parameters, gradients and optimizer state wait in CPU memory between uses (slower; for
     models the GPUs cannot hold even sharded). On CPU processes they are there already: no change."""
@@ -989,7 +989,7 @@ _MODEL_REF = re.compile(r"^(builtin:[a-z0-9-]+|job:[A-Za-z0-9_-]+(@\d+)?|[^\s\x0
 _DATASET_REF = re.compile(r"^(builtin:[a-z0-9-]+|file-[A-Za-z0-9_-]+|[^\s\x00-\x1f\x7f\ud800-\udfff]+\.jsonl)$")
 
 
-SHARDED_TYPES = ("sft", "rm", "dpo")
+SHARDED_TYPES = ("sft", "rm", "dpo", "grpo")
 """The job types that train under ``resources.sharding: "fsdp"``."""
 
 

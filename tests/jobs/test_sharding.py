@@ -100,6 +100,30 @@ def test_fsdp_rm_and_dpo_train_as_one_process(tmp_path: Path, job_type: str, opt
     assert_same_weights(tmp_path / "two", tmp_path / "one", lr=options.get("learning_rate", 5e-4))
 
 
+def test_fsdp_grpo_samples_scores_and_trains_as_ddp(tmp_path: Path) -> None:
+    """GRPO with a KL loss term (its reference sharded) and rank 0's held-out evaluation: the ranks sample their
+    shares with the weights gathered, with the generators DDP's ranks use, so the run is DDP's, to rounding."""
+    grpo = {"type": "grpo", "model": "builtin:tiny", "dataset": "builtin:digits-prompts",
+            "eval_dataset": "builtin:digits-prompts", "checkpoint_every": 2,
+            "reward": {"type": "text_similarity", "input": "{{sample.output_text}}", "reference": "{{item.answer}} ",
+                       "evaluation_metric": "fuzzy_match"},  # partial credit: the groups are not tied
+            "hyperparameters": {"total_steps": 4, "batch_size": 4, "group_size": 4, "mini_batch_size": 8,
+                                "gradient_accumulation_steps": 2, "response_length": 4, "kl_coef": 0.1,
+                                "learning_rate": 1e-3, "eval_every": 2, "eval_max_prompts": 4}}  # fmt: skip
+    runs = {}
+    for sharding in ("ddp", "fsdp"):
+        recorder = Recorder()
+        job = JobSpec.model_validate({**grpo, "resources": {"num_processes": 2, "sharding": sharding}})
+        assert run_distributed(job, tmp_path / sharding, recorder, 2).status == "succeeded"
+        runs[sharding] = recorder
+    ddp = {step: {k: v for k, v in m.items() if k != "dist/weight_spread"} for step, m in runs["ddp"].metrics.items()}
+    fsdp_metrics = runs["fsdp"].metrics
+    assert "eval/reward" in fsdp_metrics[4] and fsdp_metrics[4]["objective/kl"] > 1e-6
+    assert max(m["groups/tied_fraction"] for m in fsdp_metrics.values()) < 1  # the policy loss trains
+    assert_metrics_close(fsdp_metrics, ddp)
+    assert_same_weights(tmp_path / "fsdp", tmp_path / "ddp", lr=1e-3)
+
+
 GLOO_AVERAGE = """
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
