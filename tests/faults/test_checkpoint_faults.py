@@ -264,8 +264,8 @@ ENGINE_RUN = textwrap.dedent(
     if fault == "mid-write":  # step 4's policy is written, its trainer state is not
         save_model = checkpoint.save_model
 
-        def save_then_hold(model, tokenizer, path):
-            save_model(model, tokenizer, path)
+        def save_then_hold(model, tokenizer, path, state=None):
+            save_model(model, tokenizer, path, state)
             if path.parent.name.startswith(".step-4-"):
                 hold()
 
