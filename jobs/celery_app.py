@@ -6,6 +6,8 @@ visibility timeout longer than any job so Redis never hands a running job to a s
 worker that outlives a lost broker connection, its task included.
 """
 
+from typing import Any
+
 import kombu.transport.sqlalchemy
 from celery import Celery
 
@@ -15,6 +17,7 @@ from jobs.store.settings import Settings, get_settings
 RUN_JOB_TASK = "rlhf.run_job"
 GENERATE_TASK = "rlhf.generate"
 RECOVER_TASK = "rlhf.recover_expired"
+JOIN_TASK = "rlhf.join_job"
 
 # kombu's SQLAlchemy transport passes transport options to create_engine(), so its polling interval
 # (1 s by default: a second of latency per message) is set on the transport class instead.
@@ -34,6 +37,7 @@ def make_celery(settings: Settings) -> Celery:
         task_routes={
             RUN_JOB_TASK: {"queue": TRAIN_QUEUE},
             RECOVER_TASK: {"queue": TRAIN_QUEUE},
+            JOIN_TASK: {"queue": TRAIN_QUEUE},
             GENERATE_TASK: {"queue": INFERENCE_QUEUE},
         },
         result_expires=3600,
@@ -58,6 +62,12 @@ def send_job(app: Celery, job_id: str, queue: str) -> None:
     """Send job ``job_id`` to the train workers of ``queue`` (its spec's ``resources.queue``). A message for a
     queue no worker consumes waits in the broker until one starts."""
     app.send_task(RUN_JOB_TASK, args=[job_id], queue=queue)
+
+
+def send_invitation(app: Celery, invitation: dict[str, Any], queue: str, expires_s: float) -> None:
+    """Ask one train worker of ``queue`` to take part in a job across hosts (``jobs.distributed.Invitation``,
+    as a dict); a message no worker took within ``expires_s`` is dropped (the job stopped waiting for it)."""
+    app.send_task(JOIN_TASK, args=[invitation], queue=queue, expires=expires_s)
 
 
 celery_app = make_celery(get_settings())

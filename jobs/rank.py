@@ -1,6 +1,7 @@
 """One rank of a job in several processes, as ``torchrun`` starts it (``python -m jobs.rank``): join the
 process group, fetch the job from the worker, train, and report back. See :mod:`jobs.distributed`."""
 
+import contextlib
 import logging
 import os
 import sys
@@ -16,7 +17,7 @@ from transformers.utils import logging as hf_logging
 from engine.callbacks import Callbacks, StopRequest
 from engine.run import run_job
 from engine.spec.config import JobSpec
-from jobs.distributed import CHANNEL_ENV, KEY_ENV
+from jobs.distributed import CHANNEL_ENV, KEY_ENV, LOST
 from jobs.runner import error_code
 
 log = logging.getLogger("jobs.rank")
@@ -59,12 +60,32 @@ class WorkerCallbacks(Callbacks):
         return stop
 
 
+def connect(channel: str, key: bytes) -> Connection:
+    """The worker's channel: a Unix socket's path, or ``host:port`` (a job across hosts)."""
+    if channel.startswith("/"):
+        return Client(channel, family="AF_UNIX", authkey=key)
+    host, _, port = channel.rpartition(":")
+    return Client((host, int(port)), family="AF_INET", authkey=key)
+
+
+def failure_code(error: BaseException) -> str:
+    """The job's error code for what a rank raised: :data:`~jobs.distributed.LOST` for a collective that broke
+    because another rank is gone (its host died, its process was killed), else the engine's error code."""
+    text = str(error)
+    if isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError)
+        and any(sign in text for sign in ("gloo/transport", "Connection reset by peer", "Connection closed by peer"))
+    ):
+        return LOST
+    return error_code(error)
+
+
 def main() -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     logging.basicConfig(level="INFO", format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    conn = Client(os.environ[CHANNEL_ENV], family="AF_UNIX", authkey=bytes.fromhex(os.environ[KEY_ENV]))
+    conn = connect(os.environ[CHANNEL_ENV], bytes.fromhex(os.environ[KEY_ENV]))
     conn.send(("hello", rank))
     _, spec_json, out_dir = conn.recv()
     spec = JobSpec.model_validate(spec_json)
@@ -83,7 +104,11 @@ def main() -> None:
         sys.exit(1)
     except Exception as e:
         traceback.print_exc()
-        conn.send(("failed", error_code(e), str(e) or type(e).__name__))
+        code, message = failure_code(e), str(e) or type(e).__name__
+        if code == LOST:  # gloo's text: "[…/pair.cc:537] Read error [host]:port: Connection reset by peer. This …"
+            message = f"rank {rank} lost its connection to another: {message.split('. ')[0].rpartition('] ')[2]}"
+        with contextlib.suppress(OSError):  # the worker may be gone, or done with this job
+            conn.send(("failed", code, message))
         sys.exit(1)
     if rank == 0:
         checkpoint = str(result.checkpoint) if result.checkpoint else None

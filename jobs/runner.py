@@ -9,7 +9,9 @@ worker recorded for later steps are deleted and computed again, so the history h
 with the values of the run that produced the final weights.
 
 A job with ``resources.num_processes > 1`` trains under torchrun (jobs/distributed.py); this worker still does
-all of the above, answering rank 0's callbacks.
+all of the above, answering rank 0's callbacks. A job across hosts (``resources.num_nodes > 1``) also invites
+train workers of its queue to join as its other hosts (jobs/joiner.py). A process of the job that is lost (its
+host died) loses the attempt, as a lost lease does: the job goes back to the queue, from its last checkpoint.
 
 A worker asked to stop (SIGTERM, Ctrl-C: :data:`stopping`) does not hold its shutdown up until the job
 ends: the job finishes its current step, checkpoints and goes back to the queue (``queued``, the same
@@ -47,7 +49,8 @@ from engine.spec.config import MODEL_FIELDS, JobSpec, format_errors
 from engine.spec.hub import is_hub_id
 from engine.spec.rows import ChatTemplateMissingError
 from engine.tracking import Tracker, TrackingOptions, quiet_environment, switched_on
-from jobs.distributed import RankFailure, run_distributed
+from jobs.celery_app import celery_app, send_invitation
+from jobs.distributed import LOST, Hosts, Invitation, RankFailure, run_distributed
 from jobs.downloads import DownloadStopped, HubDownloadError, download
 from jobs.store import crud, refs
 from jobs.store.db import session_scope
@@ -133,6 +136,12 @@ def handed_back() -> list[Outcome]:
 def failed(code: str, message: str) -> list[Outcome]:
     values = {"error_code": code, "error_message": message, "finished_at": utcnow()}
     return [(ACTIVE_STATUSES, "failed", values)]
+
+
+def retried(attempt: int) -> list[Outcome]:
+    """Back to the queue for its next attempt (a lost process lost this one); a pause or cancel asked meanwhile
+    wins."""
+    return [(("running",), "queued", {"attempt": attempt + 1, "sent_at": None}), *paused()]
 
 
 class DbCallbacks(Callbacks):
@@ -383,7 +392,8 @@ def run_job(job_id: str, *, settings: Settings, worker: str) -> str:
 
     Idempotent: a job that is not queued (running elsewhere, finished, cancelled) is left alone, so a
     redelivered task does nothing. A job resumes from the newest checkpoint in its folder. ``queued``
-    afterwards means the worker is shutting down and handed the job back: the caller enqueues it again.
+    afterwards means the job goes back to the queue (this worker is shutting down and handed it back, or a lost
+    process lost the attempt): the caller sends it again.
     """
     url = settings.resolved_database_url
     artifacts = settings.resolved_artifacts_dir
@@ -453,23 +463,27 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
             return _failure("model_not_found", str(e))
 
     # 3. train, resuming from the newest checkpoint in out_dir if there is one: in this process, or in
-    #    resources.num_processes processes under torchrun
+    #    resources.num_processes processes under torchrun, on this host or on resources.num_nodes
     processes = spec.resources.num_processes
-    if processes > (available := _processors()):
+    if processes > (available := processors()):
         where = f"{available} GPUs" if torch.cuda.is_available() else f"{available} CPU cores"
         return _failure("invalid_spec", f"resources.num_processes is {processes}, and this worker has {where}")
+    attempt = in_transaction(settings.resolved_database_url, lambda s: _attempt(s, job_id))
+    hosts = _hosts(job_id, attempt, spec, settings) if spec.resources.num_nodes > 1 else None
     tracker = _tracker(job_id, submitted, settings, out_dir, callbacks)
     status = "failed"
     try:
         # rank 0 of a job in several processes reports to this process's callbacks, the tracker among them
-        if processes == 1:
+        if processes == 1 and hosts is None:
             result = run_engine(spec, out_dir, tracker or callbacks)
         else:
-            result = run_distributed(spec, out_dir, tracker or callbacks, processes)
+            result = run_distributed(spec, out_dir, tracker or callbacks, processes, hosts)
         status = result.status
     except LeaseLostError:
         raise
     except RankFailure as e:
+        if e.code == LOST:
+            return _lost(job_id, attempt, settings, e.message)
         log.error("job %s failed in one of its processes: %s", job_id, e)
         return _failure(e.code, e.message)
     except Exception as e:
@@ -482,6 +496,26 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
     if result.status == "succeeded":
         return succeeded(result.step), None
     return _stopped(result.status, result.step, callbacks)
+
+
+def _hosts(job_id: str, attempt: int, spec: JobSpec, settings: Settings) -> Hosts:
+    """How this worker takes the job across its hosts: it invites train workers of the job's queue."""
+    queue, timeout = spec.resources.queue, settings.join_timeout_seconds
+
+    def invite(invitation: Invitation) -> None:
+        send_invitation(celery_app, invitation.to_message(), queue, expires_s=timeout)
+
+    return Hosts(spec.resources.num_nodes, settings.node_address, job_id, attempt, timeout, invite)
+
+
+def _lost(job_id: str, attempt: int, settings: Settings, message: str) -> Ending:
+    """A process of the job was lost: the attempt is, and the job runs again from its last checkpoint (past
+    ``max_attempts``, it fails with ``worker_lost``)."""
+    log.warning("job %s lost a process in attempt %d: %s", job_id, attempt, message)
+    if attempt >= settings.max_attempts:
+        return _failure(LOST, f"a process of the job was lost in each of its {attempt} attempts; the last: {message}")
+    event = f"a process of the job was lost ({message}); it goes back to the queue for attempt {attempt + 1}"
+    return retried(attempt), ("warning", event, {"code": LOST, "attempt": attempt})
 
 
 def _tracker(job_id: str, spec: JobSpec, settings: Settings, out_dir: Path, callbacks: DbCallbacks) -> Tracker | None:
@@ -559,9 +593,15 @@ def _specs(session: Session, job_id: str, settings: Settings) -> tuple[JobSpec, 
     return JobSpec.model_validate(job.spec), JobSpec.model_validate(refs.resolve_stored(session, job, settings))
 
 
-def _processors() -> int:
+def processors() -> int:
     """How many processes a job may train in on this machine: one per GPU, or per CPU core without one."""
     return torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count() or 1
+
+
+def _attempt(session: Session, job_id: str) -> int:
+    job = crud.get_job(session, job_id=job_id)
+    assert job is not None, f"job {job_id} disappeared"
+    return job.attempt
 
 
 def _job_type(session: Session, job_id: str) -> str:

@@ -18,8 +18,17 @@ from celery import Task
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from sqlalchemy.exc import DBAPIError
 
-from jobs import inference, recovery, runner
-from jobs.celery_app import GENERATE_TASK, RECOVER_TASK, RUN_JOB_TASK, TRAIN_QUEUE, celery_app, make_celery, send_job
+from jobs import inference, joiner, recovery, runner
+from jobs.celery_app import (
+    GENERATE_TASK,
+    JOIN_TASK,
+    RECOVER_TASK,
+    RUN_JOB_TASK,
+    TRAIN_QUEUE,
+    celery_app,
+    make_celery,
+    send_job,
+)
 from jobs.store import crud
 from jobs.store.db import session_scope
 from jobs.store.models import FINAL_STATUSES
@@ -70,7 +79,7 @@ def run_job(self: Task, job_id: str) -> str:
         # dropped. (A job left running is recovered once its lease runs out.)
         log.warning("job %s: database unavailable; trying again in %d s", job_id, DB_DOWN_RETRY_S)
         raise self.retry(exc=e, countdown=DB_DOWN_RETRY_S) from e
-    if status == "queued" and runner.stopping.is_set():  # handed back (committed): send it on
+    if status == "queued":  # handed back, or its attempt lost (committed): send it on
         with session_scope(current_settings().resolved_database_url) as session:
             job = crud.get_job(session, job_id=job_id)
             queue = crud.job_queue(job) if job is not None else TRAIN_QUEUE
@@ -84,6 +93,12 @@ def run_job(self: Task, job_id: str) -> str:
         except Exception:
             log.exception("job %s ended; releasing the jobs waiting for it failed (the next sweep retries)", job_id)
     return status
+
+
+@celery_app.task(name=JOIN_TASK, acks_late=True, ignore_result=True)
+def join_job(invitation: dict[str, Any]) -> str:
+    """Take part in a job across hosts that another train worker claimed (jobs/joiner.py)."""
+    return joiner.join_job(invitation, settings=current_settings(), worker=worker_name())
 
 
 @celery_app.task(name=GENERATE_TASK)

@@ -686,17 +686,26 @@ class Resources(_Strict):
     """Queue of the train workers that may run the job: ``rlhf worker --queues <queue>`` serves it, so workers
     with different GPUs can take different jobs. 1 to 64 of ``a-z``, ``0-9``, ``_``, ``.``, ``-``."""
     num_processes: Annotated[int, Field(ge=1, le=64)] = 1
-    """Processes the job trains in, under ``torchrun`` with DistributedDataParallel: one per GPU of the
-    worker's host (NCCL), or CPU processes (gloo). The batch sizes stay global: each process takes
-    ``1/num_processes`` of every batch, so they must divide by it."""
+    """Processes the job trains in on each host, under ``torchrun``: one per GPU of the host (NCCL), or CPU
+    processes (gloo). The batch sizes stay global: each of the job's ``num_nodes × num_processes`` processes takes
+    its share of every batch, so they must divide by that."""
+    num_nodes: Annotated[int, Field(ge=1, le=64)] = 1
+    """Hosts the job trains on, each with ``num_processes`` processes: the worker that claims the job asks
+    ``num_nodes - 1`` more train workers of its queue to join (torchrun's c10d rendezvous) and stays the only one
+    that writes to the database. The hosts must share the data folder (checkpoints are written by every host)."""
     sharding: Literal["ddp", "fsdp"] = "ddp"
     """How the processes hold the models. ``ddp``: each a whole copy of every model, its gradients and optimizer
-    state (DistributedDataParallel). ``fsdp``: each ``1/num_processes`` of them (FSDP2, one unit per transformer
+    state (DistributedDataParallel). ``fsdp``: each ``1/world_size`` of them (FSDP2, one unit per transformer
     block, gradients reduced in fp32), for models one device cannot hold; checkpoints keep the optimizer state
     sharded and the weights as ordinary Hugging Face folders. sft, rm, dpo and grpo jobs so far."""
     cpu_offload: bool = False
     """With ``fsdp``: parameters, gradients and optimizer state wait in CPU memory between uses (slower; for
     models the GPUs cannot hold even sharded). On CPU processes they are there already: no change."""
+
+    @property
+    def world_size(self) -> int:
+        """The job's processes on all its hosts."""
+        return self.num_nodes * self.num_processes
 
     @model_validator(mode="after")
     def _offload_needs_fsdp(self) -> "Resources":
@@ -1135,15 +1144,16 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _batches_split_over_processes(self) -> "JobSpec":
         """Every process takes the same share of each batch, in whole micro-batches."""
-        n = self.resources.num_processes
+        n = self.resources.world_size
         if n == 1 or "batch_size" not in self.hyperparameters:  # a hyperparameter error is reported already
             return self
         hp = self.hyperparameters
         ga = hp["gradient_accumulation_steps"]
         for name, by in self.config.process_shares(n).items():
             if hp[name] % by:
-                of = f"resources.num_processes ({n})" if by == n else (
-                    f"resources.num_processes × gradient_accumulation_steps ({n} × {ga})")  # fmt: skip
+                processes = "resources.num_processes" if n == self.resources.num_processes else (
+                    "resources.num_nodes × num_processes")  # fmt: skip
+                of = f"{processes} ({n})" if by == n else f"{processes} × gradient_accumulation_steps ({n} × {ga})"
                 raise ValueError(f"hyperparameters.{name} ({hp[name]}) must be a multiple of {of}")
         return self
 

@@ -104,6 +104,13 @@ class Settings(BaseSettings):
     """How long a training worker's claim on a job lasts without a heartbeat."""
     max_attempts: int = 3
     """Runs of a job (the first plus retries after a lost worker) before it fails with ``worker_lost``."""
+    node_address: str = "127.0.0.1"
+    """This worker's address on the network its hosts share, for jobs across hosts (``resources.num_nodes``): the
+    other hosts' ranks reach the claiming worker there, and torchrun's rendezvous and process group bind to it.
+    The default takes jobs across hosts on this machine only."""
+    join_timeout_seconds: float = Field(default=600, gt=0)
+    """How long a job across hosts waits for its other hosts' train workers to join it before it fails
+    (``hosts_unavailable``)."""
     session_timeout_seconds: int = Field(default=120, ge=1)
     """A training session of the Tinker-compatible API ends (its worker freed, its saved weights kept) once its
     client has sent no heartbeat for this long; the SDK sends one every 10 s."""

@@ -179,6 +179,14 @@ def test_sharding_is_refused_where_it_does_not_apply():
     assert JobSpec.model_validate(_spec("sft", resources=sharded)).resources.cpu_offload
 
 
+def test_batches_split_over_every_process_of_every_host():
+    hosts = {"num_nodes": 3, "num_processes": 2}
+    message = _error(JobSpec, _spec("sft", resources=hosts, hyperparameters={"batch_size": 8}))
+    assert "hyperparameters.batch_size (8) must be a multiple of resources.num_nodes × num_processes (6)" in message
+    job = JobSpec.model_validate(_spec("sft", resources=hosts, hyperparameters={"batch_size": 12}))
+    assert job.resources.world_size == 6
+
+
 def test_ppo_without_reward_model():
     spec = _spec("ppo")
     del spec["reward_model"]

@@ -18,6 +18,7 @@ from engine.core.loop import NonFiniteLossError
 from engine.core.models import IncompleteSaveError, ModelNotFoundError
 from engine.spec.rows import ChatTemplateMissingError
 from jobs import runner
+from jobs.distributed import LOST, RankFailure
 from jobs.store import crud, db
 from jobs.store.models import utcnow
 from jobs.store.settings import Settings
@@ -375,3 +376,27 @@ def raised(f: Callable[[], None]) -> BaseException:
 )
 def test_error_codes(error: BaseException, code: str) -> None:
     assert runner.error_code(error) == code
+
+
+def test_a_lost_process_loses_the_attempt_and_requeues_the_job(
+    settings: Settings, project_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank that was lost (its host died) is the attempt's end, as a lost lease is: back to the queue with the
+    next attempt, until the last, which fails ``worker_lost``."""
+    job_id = create_job(settings, project_id, sft_spec(resources={"num_processes": 2}))
+
+    def lose(*args: object, **kwargs: object) -> None:
+        raise RankFailure(LOST, "rank 1 lost its connection to another: Connection reset by peer")
+
+    monkeypatch.setattr(runner, "run_distributed", lose)
+    monkeypatch.setattr(runner, "processors", lambda: 2)
+    for attempt in range(1, settings.max_attempts):
+        assert runner.run_job(job_id, settings=settings, worker="w:1") == "queued"
+        job = get_job(settings, job_id)
+        assert (job.attempt, job.worker, job.sent_at) == (attempt + 1, None, None)
+    assert runner.run_job(job_id, settings=settings, worker="w:1") == "failed"
+    job = get_job(settings, job_id)
+    assert (job.error_code, job.attempt) == ("worker_lost", settings.max_attempts)
+    assert job.error_message is not None and "each of its 3 attempts" in job.error_message
+    warnings = [e.message for e in events(settings, job_id) if e.kind == "warning"]
+    assert len(warnings) == settings.max_attempts - 1 and "goes back to the queue for attempt 2" in warnings[0]

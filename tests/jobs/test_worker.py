@@ -32,20 +32,22 @@ pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy i
 
 
 @contextmanager
-def worker_process(settings: Settings, log_file: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``python -m jobs.worker`` on both queues, configured through RLHF_* variables only."""
+def worker_process(settings: Settings, log_file: Path, queues: str = "train,inference", **variables: str
+                   ) -> Iterator[subprocess.Popen[bytes]]:  # fmt: skip
+    """``python -m jobs.worker`` on ``queues``, configured through RLHF_* variables only (more in ``variables``)."""
     env = {
         **os.environ,
         "RLHF_DATA_DIR": str(settings.data_dir),
         "RLHF_DATABASE_URL": settings.resolved_database_url,
         "RLHF_LEASE_SECONDS": str(settings.lease_seconds),
         "HF_HUB_OFFLINE": "1",
+        **variables,
     }
     if settings.broker_url:
         env["RLHF_BROKER_URL"] = settings.broker_url
     with log_file.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "jobs.worker", "--queues", "train,inference", "--loglevel", "INFO"],
+            [sys.executable, "-m", "jobs.worker", "--queues", queues, "--loglevel", "INFO"],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:

@@ -162,7 +162,7 @@ def test_a_cancel_sent_while_a_model_downloads_ends_the_job_cancelled(
 def test_more_processes_than_the_worker_has_fail_at_once(
     sqlite_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(runner, "_processors", lambda: 2)
+    monkeypatch.setattr(runner, "processors", lambda: 2)
     job = failed_job(sqlite_settings, sft_spec(resources={"num_processes": 4}))
     assert job.error_code == "invalid_spec"
     assert job.error_message is not None and "resources.num_processes is 4" in job.error_message
