@@ -82,7 +82,8 @@ def test_fsdp_sft_trains_as_one_process_resumes_bit_exactly_and_halves_the_state
 def test_fsdp_rm_and_dpo_train_as_one_process(tmp_path: Path, job_type: str, options: dict[str, Any],
                                                lora: bool) -> None:  # fmt: skip
     """The rm's scalar head on the sharded backbone; DPO with LoRA, its reference the sharded policy with its
-    adapters off. Both evaluate held-out rows on rank 0 with the weights gathered."""
+    adapters off. Both evaluate held-out rows on rank 0 with the weights gathered; the sharded runs recompute
+    their blocks' activations in backward (gradient checkpointing), which changes no number."""
     extra: dict[str, Any] = {"lora": {"r": 4, "alpha": 8}} if lora else {}
     eval_rows = {"eval_dataset": "builtin:reviews-prefs"}
 
@@ -93,7 +94,8 @@ def test_fsdp_rm_and_dpo_train_as_one_process(tmp_path: Path, job_type: str, opt
     one = with_extra(spec(job_type, 1, **options))
     assert run_job(one, tmp_path / "one", reference, torch.device("cpu")).status == "succeeded"
     recorder = Recorder()
-    result = run_distributed(with_extra(fsdp(job_type, **options)), tmp_path / "two", recorder, 2)
+    sharded = with_extra(fsdp(job_type, **options, gradient_checkpointing=True))
+    result = run_distributed(sharded, tmp_path / "two", recorder, 2)
     assert (result.status, result.step) == ("succeeded", 4)
     assert any(name.startswith("eval/") for name in recorder.metrics[4])
     assert_metrics_close(recorder.metrics, reference.metrics)
