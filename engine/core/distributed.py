@@ -100,6 +100,9 @@ class Ranks:
             if type(sub).__name__ in blocks:
                 fully_shard(sub, **policy)
         fully_shard(module, **policy)
+        # FSDP2 takes the first unit to run forward for the root: settled now, so that a forward through a part
+        # (a critic's backbone, read by a head of its own) does not make one of its blocks a root of its own
+        cast(Any, module)._get_fsdp_state()._lazy_init()
         return module
 
     @contextmanager

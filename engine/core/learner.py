@@ -151,6 +151,9 @@ class Learner:
         """What training passes run through: ``model`` or its ``head`` (a scalar model's
         :class:`engine.core.models.ScalarHead`), in DistributedDataParallel with several processes."""
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.also_trained: dict[str, torch.nn.Module] = {}
+        """Other modules the optimizer trains, by name (PPO's critic): a sharded checkpoint names their optimizer
+        state too."""
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.max_grad_norm: float | None = None
@@ -167,7 +170,8 @@ class Learner:
         """AdamW over the policy's parameters at ``cfg.learning_rate`` and ``more`` groups (e.g. a critic's), the
         schedule, both restored when resuming (:meth:`engine.core.loop.Run.start_training`); :meth:`optim_step` clips
         the norm of all of them together."""
-        run.trained_module = self.trained
+        also = self.also_trained
+        run.trained_module = torch.nn.ModuleDict({"policy": self.trained, **also}) if also else self.trained
         start = run.start_training(cfg, total_steps, (self.params, cfg.learning_rate), *more)
         self.use_optimizer(start.optimizer, start.scheduler, cfg.max_grad_norm)
         return start

@@ -85,6 +85,7 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
     teacher = frozen(prepare(load_causal_lm(spec.teacher, tokenizer, spec.seed), device, cfg.dtype, False))
     longest = prompt_length + cfg.response_length
     check_fits(teacher, longest, "max_prompt_length + response_length, in the teacher")
+    ranks.shard(teacher)  # sharded (FSDP) like any frozen reference
     learner.reference = teacher
     stop_token_ids = learner.sampling.stop_token_ids
     reward = RewardFunction.of(spec.reward_grader, tokenizer, device, cfg.dtype, callbacks)
@@ -152,8 +153,10 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
         })  # fmt: skip
         if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
             metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()
-        if eval_rows and run.eval_due(step, cfg.eval_every):
-            metrics.update(evaluate(learner, tokenizer, eval_scorer, eval_rows, cfg, spec.seed, device))
+        if run.eval_due(step, cfg.eval_every):
+            with learner.gathered():  # rank 0 evaluates its held-out prompts (the others have none)
+                if eval_rows:
+                    metrics.update(evaluate(learner, tokenizer, eval_scorer, eval_rows, cfg, spec.seed, device))
         if result := run.end_step(step, metrics, {"policy": learner.model}, rng.state):
             return result
     raise AssertionError("unreachable: the last step ends the run")

@@ -6,7 +6,8 @@ minibatch updates of policy and critic.
 
 In several processes, each rolls out its share of the prompts; the rollouts are gathered, so every rank
 shapes rewards and computes advantages over the whole batch (as one process would), then trains on its share
-of every minibatch, DDP averaging the gradients.
+of every minibatch, DDP averaging the gradients. Sharded (FSDP), the policy, its reference and the critic are
+each FSDP units: a rank gathers the critic's weights for its share's values, as it does the policy's to sample.
 """
 
 import math
@@ -87,6 +88,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     if ptx_rows:
         check_fits(learner.model, cfg.max_length, "hyperparameters.max_length")
     critic = ranks.wrap(ScalarHead(value_model), compile=cfg.torch_compile)  # trained through; rollouts use the model
+    learner.also_trained["value"] = critic
     saved = {"policy": learner.model, "value": value_model}  # the checkpoints' models
     objective = Objective(cfg.policy_loss, cfg.loss_settings, entropy=True, entropy_coef=cfg.entropy_coef)
 
@@ -117,7 +119,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         # 1. rollout: a batch of prompts (left-padded), each rank sampling responses to its share, truncated
         #    after the stop token, with logprobs, ref_logprobs, values and scores. Every rank's rows are then
         #    gathered: the stages up to the PPO epochs see the whole batch.
-        ro, graded = roll(batch_rows, rng.sampling, share=ranks.share(B), trainer_logprobs=correction is not None)
+        with ranks.gathered(critic):  # sharded: the critic's values (and scores) of a rank's share, by it alone
+            ro, graded = roll(batch_rows, rng.sampling, share=ranks.share(B), trainer_logprobs=correction is not None)
         ro = gather_rollout(ro, ranks, tokenizer.pad_token_id)
         graded = gathered(graded, ranks, device) if graded else None  # graders: every rank's components
         mask = ro.mask.float()  # (B, T)
@@ -168,8 +171,11 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
             metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()
         if graded is not None:  # the reward's components, over every rank's rows
             metrics.update(reward_metrics(graded))
-        if eval_rows and run.eval_due(step, cfg.eval_every):
-            metrics.update(evaluate(roll, tokenizer, eval_rows, B, spec.seed, device, eval_reward, stop_token_ids))
+        if run.eval_due(step, cfg.eval_every):
+            with learner.gathered(), ranks.gathered(critic):  # rank 0 evaluates its held-out prompts (the others
+                if eval_rows:  # have none)
+                    metrics.update(evaluate(roll, tokenizer, eval_rows, B, spec.seed, device, eval_reward,
+                                            stop_token_ids))  # fmt: skip
 
         # 6. collapse signals (MOSS-RLHF §2.1, engine/core/health.py), from metrics every rank computed alike: each
         #    takes the same decision

@@ -697,7 +697,7 @@ class Resources(_Strict):
     """How the processes hold the models. ``ddp``: each a whole copy of every model, its gradients and optimizer
     state (DistributedDataParallel). ``fsdp``: each ``1/world_size`` of them (FSDP2, one unit per transformer
     block, gradients reduced in fp32), for models one device cannot hold; checkpoints keep the optimizer state
-    sharded and the weights as ordinary Hugging Face folders. sft, rm, dpo and grpo jobs so far."""
+    sharded and the weights as ordinary Hugging Face folders."""
     cpu_offload: bool = False
     """With ``fsdp``: parameters, gradients and optimizer state wait in CPU memory between uses (slower; for
     models the GPUs cannot hold even sharded). On CPU processes they are there already: no change."""
@@ -998,10 +998,6 @@ _MODEL_REF = re.compile(r"^(builtin:[a-z0-9-]+|job:[A-Za-z0-9_-]+(@\d+)?|[^\s\x0
 _DATASET_REF = re.compile(r"^(builtin:[a-z0-9-]+|file-[A-Za-z0-9_-]+|[^\s\x00-\x1f\x7f\ud800-\udfff]+\.jsonl)$")
 
 
-SHARDED_TYPES = ("sft", "rm", "dpo", "grpo")
-"""The job types that train under ``resources.sharding: "fsdp"``."""
-
-
 class JobSpec(_Strict):
     """The body of ``POST /v1/jobs`` and of ``rlhf train SPEC``.
 
@@ -1133,13 +1129,6 @@ class JobSpec(_Strict):
         if self.reward is not None:
             return self.reward
         return ModelGrader(type="model", name="reward_model", model=self.reward_model) if self.reward_model else None
-
-    @model_validator(mode="after")
-    def _sharded_types(self) -> "JobSpec":
-        if self.resources.sharding == "fsdp" and self.type not in SHARDED_TYPES:
-            raise ValueError(f'resources.sharding "fsdp" is for {_listed(SHARDED_TYPES)} jobs; {self.type} trains '
-                             'with "ddp"')  # fmt: skip
-        return self
 
     @model_validator(mode="after")
     def _batches_split_over_processes(self) -> "JobSpec":
