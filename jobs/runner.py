@@ -47,6 +47,7 @@ from engine.rewards.judge import Endpoint
 from engine.run import run_job as run_engine
 from engine.spec.config import MODEL_FIELDS, JobSpec, format_errors
 from engine.spec.hub import is_hub_id
+from engine.spec.memory import Weights, builtin_weights, read_weights, refusal
 from engine.spec.rows import ChatTemplateMissingError
 from engine.tracking import Tracker, TrackingOptions, quiet_environment, switched_on
 from jobs.celery_app import celery_app, send_invitation
@@ -468,6 +469,8 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
     if processes > (available := processors()):
         where = f"{available} GPUs" if torch.cuda.is_available() else f"{available} CPU cores"
         return _failure("invalid_spec", f"resources.num_processes is {processes}, and this worker has {where}")
+    if (why := _does_not_fit(spec, settings)) is not None:  # before the models load: at once, with the figures
+        return _failure("model_does_not_fit", why)
     attempt = in_transaction(settings.resolved_database_url, lambda s: _attempt(s, job_id))
     hosts = _hosts(job_id, attempt, spec, settings) if spec.resources.num_nodes > 1 else None
     tracker = _tracker(job_id, submitted, settings, out_dir, callbacks)
@@ -496,6 +499,31 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
     if result.status == "succeeded":
         return succeeded(result.step), None
     return _stopped(result.status, result.step, callbacks)
+
+
+def device_bytes() -> int | None:
+    """The memory of one of this worker's GPUs; None without one (a job on CPU processes is not planned)."""
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def _does_not_fit(spec: JobSpec, settings: Settings) -> str | None:
+    """Why the job's models cannot fit this worker's GPUs as its resources hold them (engine/spec/memory.py), or
+    None: they fit, there is no GPU, or the weight files are not at hand."""
+    if (device := device_bytes()) is None:
+        return None
+    models = {}
+    for field in ("model", "reward_model", "teacher"):
+        ref = getattr(spec, field, None)
+        if ref and (weights := _weights(ref)) is not None:
+            models[field] = weights
+    return refusal(spec, models, device, settings.max_processes) if "model" in models else None
+
+
+def _weights(ref: str) -> Weights | None:
+    if ref.startswith("builtin:"):
+        return builtin_weights()
+    folder = refs.model_folder(ref)
+    return read_weights(folder) if folder is not None else None
 
 
 def _hosts(job_id: str, attempt: int, spec: JobSpec, settings: Settings) -> Hosts:

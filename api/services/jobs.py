@@ -13,10 +13,11 @@ from api.deps import Enqueue
 from api.errors import ApiError, not_found, spec_error
 from api.schemas import looks_like_id
 from engine.spec.config import JobSpec
+from engine.spec.memory import refusal
 from jobs.recovery import release_once
 from jobs.store import crud
 from jobs.store.models import FINAL_STATUSES, SESSION_TYPE, Job, Project, utcnow
-from jobs.store.refs import SpecReferenceError, auto_values, dependencies, resolve_spec
+from jobs.store.refs import SpecReferenceError, auto_values, dependencies, model_weights_of, resolve_spec
 from jobs.store.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,24 @@ def validated_spec(
             f"{settings.max_processes} (RLHF_MAX_PROCESSES)"
         )
         raise ApiError(422, "too_many_processes", message, param=param_prefix + "resources.num_processes")
+    if (device := settings.device_memory.get(spec["resources"]["queue"])) is not None:
+        _check_fits(session, settings, project, spec, int(device), param_prefix)
     return spec, pending
+
+
+def _check_fits(
+    session: Session, settings: Settings, project: Project, spec: dict[str, Any], device: int, param_prefix: str
+) -> None:
+    """422 ``model_does_not_fit`` when the job's models, as far as their weight files are at hand here, cannot fit
+    a GPU of its queue (``RLHF_DEVICE_MEMORY``) as its resources hold them."""
+    models = {}
+    for field in ("model", "reward_model", "teacher"):
+        if spec.get(field) and (weights := model_weights_of(session, project_id=project.id, ref=spec[field],
+                                                            artifacts=settings.resolved_artifacts_dir,
+                                                            model_root=settings.model_root)):  # fmt: skip
+            models[field] = weights
+    if "model" in models and (why := refusal(JobSpec.model_validate(spec), models, device, settings.max_processes)):
+        raise ApiError(422, "model_does_not_fit", why, param=param_prefix + "resources")
 
 
 def _prefixed(error: ApiError, prefix: str) -> ApiError:

@@ -768,6 +768,11 @@ class JobTypeInfo:
     teacher: bool = False
     """Whether it learns from a ``teacher`` model (required for it, refused for other types); such a type takes a
     reward optionally (``reward_model`` or ``reward``, and ``eval_reward``)."""
+    reference: Literal["always", "with_kl", "none"] = "none"
+    """Whether it holds a frozen copy of the starting policy (with LoRA: the policy with its adapters off):
+    ``always``, ``with_kl`` (when ``kl_coef > 0``) or ``none``; for memory planning (engine/spec/memory.py)."""
+    critic: bool = False
+    """Whether it trains a critic beside the policy: the reward model's backbone, else the policy's."""
     openai_method: Literal["supervised", "dpo", "reinforcement"] | None = None
     """The ``method.type`` of OpenAI's fine-tuning API that this type trains (``/v1/fine_tuning/jobs``)."""
     demo_task: Literal["reviews", "digits"] = "reviews"
@@ -826,6 +831,8 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
         config=PPOConfig,
         dataset="prompts",
         output="policy",
+        reference="always",
+        critic=True,
         trainer="engine.methods.ppo_train:train_ppo",
         metrics=(
             "objective/scores",
@@ -860,6 +867,7 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
         config=DPOConfig,
         dataset="preference",
         output="policy",
+        reference="always",
         trainer="engine.methods.dpo_train:train_dpo",
         openai_method="dpo",
         metrics=(
@@ -891,6 +899,7 @@ JOB_TYPES: dict[str, JobTypeInfo] = {
         config=GRPOConfig,
         dataset="prompts",
         output="policy",
+        reference="with_kl",
         trainer="engine.methods.grpo_train:train_grpo",
         openai_method="reinforcement",
         metrics=(

@@ -31,6 +31,7 @@ from engine.rewards.graders import check_allowed, parse_grader, replace_models
 from engine.spec.auto import auto_hyperparameters, model_width
 from engine.spec.config import GENERATING_TYPES, JOB_TYPES, MODEL_FIELDS, vocabulary_mismatch
 from engine.spec.hub import is_hub_id
+from engine.spec.memory import Weights, builtin_weights, read_weights
 from engine.spec.model_refs import (
     TOKENIZER_FILES,
     ModelNotFoundError,
@@ -212,7 +213,7 @@ def model_width_of(
         resolved = _model(session, project_id, "model", ref, tuple(JOB_TYPES), artifacts, model_root, True, [])
     except SpecReferenceError:
         return None
-    folder = _model_folder(resolved)
+    folder = model_folder(resolved)
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8")) if folder else None
     except (OSError, ValueError):
@@ -231,6 +232,21 @@ def model_width_of(
         model_root=model_root,
         depth=depth + 1,
     )
+
+
+def model_weights_of(
+    session: Session, *, project_id: str, ref: str, artifacts: Path, model_root: Path | None
+) -> Weights | None:
+    """The :class:`engine.spec.memory.Weights` of the model ``ref`` names, read from its weight files' headers: the
+    built-in model's, a folder's, a cached hub model's or a finished job's; None when they are not at hand here."""
+    if ref.startswith("builtin:"):
+        return builtin_weights()
+    try:
+        resolved = _model(session, project_id, "model", ref, tuple(JOB_TYPES), artifacts, model_root, True, [])
+    except SpecReferenceError:
+        return None
+    folder = model_folder(resolved)
+    return read_weights(folder) if folder is not None else None
 
 
 def resolve_stored(session: Session, job: Job, settings: Settings) -> dict[str, Any]:
@@ -252,7 +268,7 @@ def resolve_stored(session: Session, job: Job, settings: Settings) -> dict[str, 
 def _check_context(spec: dict[str, Any], model: str) -> None:
     """Sequences longer than the resolved ``model``'s context, when its config is at hand: refused before a
     worker loads anything."""
-    folder = _model_folder(model)
+    folder = model_folder(model)
     context = int(TINY_CONFIG["n_positions"]) if model == TINY_MODEL else context_saved(folder) if folder else None
     if context is None:
         return
@@ -264,7 +280,7 @@ def _check_context(spec: dict[str, Any], model: str) -> None:
             )
 
 
-def _model_folder(model: str) -> Path | None:
+def model_folder(model: str) -> Path | None:
     """The folder holding a resolved ``model``'s config and tokenizer, when it is at hand here: a job's or a local
     folder, or a hub model in this process's Hugging Face cache; None for builtin models and anything else."""
     if model.startswith("builtin:"):
@@ -282,7 +298,7 @@ def _check_model(param: str, model: str, scores: bool) -> None:
     """What the worker would fail on, told from the resolved ``model``'s saved files when they are at hand: a local
     model folder without a tokenizer, and (``scores``: a reward model, or a model to train one from) an
     architecture without a sequence-classification class in transformers."""
-    folder = _model_folder(model)
+    folder = model_folder(model)
     if folder is None:
         return
     if not is_hub_id(model) and (folder / "config.json").is_file() and not tokenizer_saved(folder):
@@ -312,7 +328,7 @@ def _has_chat_template(model: str) -> bool | None:
     """Whether the resolved ``model``'s tokenizer has a chat template; None when it cannot be told here."""
     if model.startswith("builtin:"):
         return False  # the built-in tokenizer has none
-    folder = _model_folder(model)
+    folder = model_folder(model)
     return chat_template_saved(folder) if folder else None
 
 
@@ -326,7 +342,7 @@ def _vocabulary(model: str) -> dict[str, int] | None:
     """Token → id of the resolved ``model``'s saved fast tokenizer (``tokenizer.json``: its model's ``vocab`` and
     its ``added_tokens``, what transformers' ``get_vocab`` gives), when it is at hand here (built-in, a job's or a
     folder's, a cached hub model's); None otherwise, or for a file that does not read as one."""
-    folder = _model_folder(model)
+    folder = model_folder(model)
     path = TOKENIZER_FILE if model == TINY_MODEL else folder / "tokenizer.json" if folder else None
     if path is None:
         return None

@@ -8,7 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.rewards.judge import Endpoint
@@ -102,6 +102,11 @@ class Settings(BaseSettings):
     """The W&B project of the jobs' runs; one run per job, named by its id."""
     lease_seconds: int = 120
     """How long a training worker's claim on a job lasts without a heartbeat."""
+    device_memory: dict[str, ByteSize] = {}
+    """The memory of one GPU of each train queue's workers, as JSON in ``RLHF_DEVICE_MEMORY``, e.g. ``{"train":
+    "80GB", "train-h200": "141GB"}``: a job whose models cannot fit its queue's GPUs as its ``resources`` hold them
+    is refused at submit (``model_does_not_fit``, with the bytes per rank and the setting that would fit). None
+    declared: the API checks nothing, and a GPU worker checks against its own GPU before it loads the models."""
     max_attempts: int = 3
     """Runs of a job (the first plus retries after a lost worker) before it fails with ``worker_lost``."""
     node_address: str = "127.0.0.1"

@@ -400,3 +400,23 @@ def test_a_lost_process_loses_the_attempt_and_requeues_the_job(
     assert job.error_message is not None and "each of its 3 attempts" in job.error_message
     warnings = [e.message for e in events(settings, job_id) if e.kind == "warning"]
     assert len(warnings) == settings.max_attempts - 1 and "goes back to the queue for attempt 2" in warnings[0]
+
+
+def test_a_job_that_cannot_fit_the_workers_gpu_fails_before_it_loads(
+    sqlite_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU worker plans the job's memory against its own GPU (here a 4 MiB one: the built-in model's full
+    fine-tune holds 4 values a parameter) and fails it at once with the figures and the setting that fits."""
+    job_id = create_job(sqlite_settings, new_project(sqlite_settings).id, sft_spec())
+    monkeypatch.setattr(runner, "device_bytes", lambda: 4 * 1024 * 1024)
+    assert runner.run_job(job_id, settings=sqlite_settings, worker="w:1") == "failed"
+    job = get_job(sqlite_settings, job_id)
+    assert job.error_code == "model_does_not_fit" and job.error_message is not None
+    assert (
+        "do not fit a 4.00 MiB device as they are held (one process): each rank would hold 1.86 MiB"
+        in job.error_message
+    )
+    assert (
+        'it fits with {"resources": {"sharding": "fsdp", "num_processes": 4}}' in job.error_message
+    )  # 8 rows: 4, not 3
+    assert disk_checkpoint_steps(sqlite_settings, job_id) == []

@@ -1,8 +1,10 @@
 """Resource limits a job spec is checked against at submit, before any worker takes it; the bound on a project's
 queued and waiting jobs, and what submitting and cancelling cost with many of them."""
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ from jobs.store.db import engine_for
 from jobs.store.settings import Settings
 from tests.api.helpers import PPO_SPEC, RM_SPEC, SFT_SPEC, Calls, Db, error_of
 from tests.factories import Project, new_project
+from tests.models import build_model
 
 
 def test_more_processes_than_the_workers_have_are_refused(client: TestClient, calls: Calls, settings: Settings) -> None:
@@ -123,3 +126,35 @@ def test_a_large_batch_in_micro_batches_is_accepted(client: TestClient) -> None:
     assert (refused.status_code, error_of(refused)["param"]) == (422, "hyperparameters.mini_batch_size")
     ppo["hyperparameters"]["gradient_accumulation_steps"] = 4
     assert client.post("/v1/jobs", json=ppo).status_code == 201
+
+
+def test_a_job_whose_models_cannot_fit_its_queues_gpus_is_refused_with_the_setting_that_fits(
+    settings: Settings, project: Project, tmp_path: Path
+) -> None:
+    """``RLHF_DEVICE_MEMORY`` declares the GPUs of queue ``train`` (4 MiB here, against the built-in model's 7.4 MiB
+    full fine-tune and a local Llama's): a submit is refused with the bytes per rank and the setting that fits; that
+    setting, and a queue with no memory declared, are accepted."""
+    build_model("llama", tmp_path / "models" / "llama")
+    memory = Settings(device_memory={"train": "4MiB", "train-small": "1MiB"}).device_memory  # as RLHF_DEVICE_MEMORY
+    declared = settings.model_copy(update={"device_memory": memory, "model_root": tmp_path / "models"})
+    app = create_app(declared, enqueue=Calls().enqueue, recovery_interval=None)
+    with TestClient(app, headers=project.headers) as client:
+        spec = {**SFT_SPEC, "hyperparameters": {"batch_size": 8}}
+        refused = client.post("/v1/jobs", json=spec)
+        assert refused.status_code == 422
+        error = error_of(refused)
+        assert (error["code"], error["param"]) == ("model_does_not_fit", "resources")
+        assert "each rank would hold 1.86 MiB of weights, 1.86 MiB of gradients and 3.71 MiB of optimizer state" in (
+            error["message"])  # fmt: skip
+        fix = json.loads(error["message"].partition("it fits with ")[2].partition(" (")[0])
+        assert fix == {"resources": {"sharding": "fsdp", "num_processes": 4}}
+        assert client.post("/v1/jobs", json={**spec, **fix}).status_code == 201
+        assert client.post("/v1/jobs", json={**spec, "resources": {"queue": "train-big"}}).status_code == 201
+        # a local model's weights are read from its files' headers: DPO's policy and frozen reference
+        llama = {**spec, "model": "llama", "type": "dpo", "dataset": "builtin:reviews-prefs",
+                 "resources": {"queue": "train-small"}}  # fmt: skip
+        error = error_of(client.post("/v1/jobs", json=llama))
+        assert (
+            error["code"] == "model_does_not_fit"
+            and "1.00 MiB device as they are held (one process)" in error["message"]
+        )
