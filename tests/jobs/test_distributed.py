@@ -61,13 +61,15 @@ def assert_same_weights(got: Path, expected: Path, lr: float) -> None:
     """
     files = sorted((expected / "checkpoints" / "step-4" / "policy").glob("*.safetensors"))
     assert files
-    total, count = 0.0, 0
+    total, count, largest = 0.0, 0, 0.0
     for file in files:
         a, b = load_file(got / "checkpoints" / "step-4" / "policy" / file.name), load_file(file)
         assert a.keys() == b.keys()
         for name in b:
             torch.testing.assert_close(a[name], b[name], rtol=0, atol=0.05 * lr, msg=name)
             total, count = total + (a[name] - b[name]).abs().sum().item(), count + b[name].numel()
+            largest = max(largest, (a[name] - b[name]).abs().max().item())
+    print(f"weights of {got.name} against {expected.name}: largest difference {largest:.2e}, mean {total / count:.2e}")
     assert total / count < 1e-4 * lr
 
 

@@ -45,7 +45,7 @@ def test_create_job(client: TestClient, calls: Calls) -> None:
     assert job["spec"]["hyperparameters"]["warmup_steps"] == 0  # defaults filled in
     assert job["spec"]["hyperparameters"]["learning_rate"] == 6.4e-4  # chosen for builtin:tiny's width (auto)
     assert calls.enqueued == [job["id"]] and calls.queues == ["train"]
-    assert job["spec"]["resources"] == {"queue": "train", "num_processes": 1, "sharding": "ddp", "cpu_offload": False}
+    assert job["spec"]["resources"] == {"queue": "train", "num_processes": 1, "num_nodes": 1, "sharding": "ddp", "cpu_offload": False}
     assert client.get(f"/v1/jobs/{job['id']}").json() == job
 
 
@@ -53,7 +53,7 @@ def test_a_job_goes_to_the_queue_its_spec_names(client: TestClient, calls: Calls
     spec = {**SFT_SPEC, "resources": {"queue": "train-a100", "num_processes": 2}}
     job = client.post("/v1/jobs", json=spec).json()
     assert calls.enqueued == [job["id"]] and calls.queues == ["train-a100"]
-    assert job["spec"]["resources"] == {**spec["resources"], "sharding": "ddp", "cpu_offload": False}
+    assert job["spec"]["resources"] == {**spec["resources"], "num_nodes": 1, "sharding": "ddp", "cpu_offload": False}
 
 
 def test_enqueue_happens_after_commit(client: TestClient, calls: Calls, db: Db) -> None:
