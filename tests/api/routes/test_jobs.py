@@ -45,7 +45,13 @@ def test_create_job(client: TestClient, calls: Calls) -> None:
     assert job["spec"]["hyperparameters"]["warmup_steps"] == 0  # defaults filled in
     assert job["spec"]["hyperparameters"]["learning_rate"] == 6.4e-4  # chosen for builtin:tiny's width (auto)
     assert calls.enqueued == [job["id"]] and calls.queues == ["train"]
-    assert job["spec"]["resources"] == {"queue": "train", "num_processes": 1, "num_nodes": 1, "sharding": "ddp", "cpu_offload": False}
+    assert job["spec"]["resources"] == {
+        "queue": "train",
+        "num_processes": 1,
+        "num_nodes": 1,
+        "sharding": "ddp",
+        "cpu_offload": False,
+    }
     assert client.get(f"/v1/jobs/{job['id']}").json() == job
 
 
