@@ -27,7 +27,9 @@ py=${PYTHON:-python3}
 out=${OUT:-gpu-check}
 mkdir -p "$out"
 logs=$(mktemp -d) # every part's log and figures; tarred into $out after each part
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# USE_HUB_KERNELS=0: transformers (5.25) would swap layers for kernels fetched from the hub at a model's first
+# .eval() on CUDA, which needs a network; TRL and the floor race the same torch layers as ours.
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false USE_HUB_KERNELS=0
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 
 if ((dry)); then

@@ -5,7 +5,9 @@
 # environment (PYTHON, default python3: run `make bench-deps` there first for TRL and datasets), without
 # dependencies, for CPython 3.12 on manylinux x86-64:
 # - transformers: ours, not the device's 5.17 (the engine calls models with `cache=` and reads `out.cache`,
-#   which 5.17 names `past_key_values`); regex with it (transformers checks its version at import);
+#   which 5.17 names `past_key_values`); with it what it checks at import and the device's are too old for:
+#   regex, tokenizers, huggingface-hub 2 (and its httpx2, httpcore2, truststore, hf-xet, click) and kernels
+#   (with tomlkit);
 # - peft: ours, for the LoRA folding the engine does through peft's layers;
 # - pydantic and its own dependencies: engine.spec.config validates the job spec with it (none on the device);
 # - TRL and datasets with dill and multiprocess: the TRL contestant (none on the device).
@@ -15,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
-names=(transformers regex peft pydantic pydantic-core annotated-types typing-inspection typing-extensions
+names=(transformers regex tokenizers huggingface-hub httpx2 httpcore2 truststore hf-xet click kernels tomlkit peft pydantic pydantic-core annotated-types typing-inspection typing-extensions
     trl datasets dill multiprocess)
 pins=()
 for name in "${names[@]}"; do

@@ -203,7 +203,7 @@ def raise_eos_logit(policy: GPT2LMHeadModel, eos: int, rate: float, probe: torch
     EOS, is ``rate``. The other tokens' logits move by noise (their embeddings are nearly orthogonal to u). Returns
     that mean probability."""
     d = policy.config.n_embd
-    u = torch.randn(d, generator=torch.Generator().manual_seed(1)).to(policy.device)
+    u = torch.randn(d, generator=torch.Generator().manual_seed(1), device="cpu").to(policy.device)
     u /= u.norm()
     policy.transformer.ln_f.bias += 4.0 * u
     hidden = policy.transformer(input_ids=probe).last_hidden_state.float()  # (B, L, d)

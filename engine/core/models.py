@@ -211,7 +211,11 @@ def _from_pretrained(auto: type, ref: str, **kwargs: object) -> Any:
     path = resolve_model_ref(ref)
     kwargs.update(hub_kwargs(path, model=True))  # a hub id never waits on a hub it cannot reach
     try:
-        return auto.from_pretrained(path, trust_remote_code=False, use_safetensors=None, **kwargs)  # type: ignore[attr-defined]
+        # use_kernels=False: transformers >= 5.25 would otherwise, on CUDA, swap layers for kernels it fetches from
+        # the hub at the model's first .eval() (remote code, a network, other numerics than the training pass's)
+        return auto.from_pretrained(  # type: ignore[attr-defined]
+            path, trust_remote_code=False, use_safetensors=None, use_kernels=False, **kwargs
+        )
     except (OSError, ValueError) as e:
         raise ModelNotFoundError(explain_missing(ref, e)) from e
 

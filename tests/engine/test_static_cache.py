@@ -234,11 +234,16 @@ def test_compiled_decoding_on_cuda_runs_cuda_graphs_recorded_once_per_shape(tmp_
     queries, mask = queries.cuda(), mask.cuda()
     decoder = generate.job_decoder(model, True, max_prompt_length=15, max_rows=3, device=torch.device("cuda"))
     assert decoder is not None
-    runs = [sample(model, queries, mask, 12, 0.0, decoder=decoder) for _ in range(3)]
+    runs = [  # temperature 1: the sampler's log-probs are the forward's (greedy ones would be the one-hot's zeros)
+        sample(model, queries, mask, 12, 1.0, generator=torch.Generator("cuda").manual_seed(0), decoder=decoder)
+        for _ in range(3)
+    ]
     for tokens, logprobs in runs:  # replays of the same graphs: the same numbers
         assert torch.equal(tokens, runs[0][0]) and torch.equal(logprobs, runs[0][1])
     qr = torch.cat([queries, runs[0][0]], dim=1)
-    forward, _ = token_logprobs(model, qr, torch.ones_like(qr) * torch.cat([mask, torch.ones_like(runs[0][0])], 1), 15)
+    forward, _ = token_logprobs(
+        model, qr, torch.ones_like(qr) * torch.cat([mask, torch.ones_like(runs[0][0])], 1), queries.shape[1]
+    )
     torch.testing.assert_close(runs[0][1], forward.float(), rtol=0, atol=5e-2)  # bf16: the training pass's numbers
     stats = decoder.stats
     assert stats.path == "compiled" and stats.fallback is None
