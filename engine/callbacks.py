@@ -1,11 +1,27 @@
 """How a training loop talks to whoever runs it: the local CLI, or a worker that writes to the database."""
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from engine.rewards.judge import Endpoint
 
 StopRequest = Literal["cancel", "pause"]
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """Where a job's vLLM server comes from (the worker's ``RLHF_VLLM_PYTHON`` or ``RLHF_VLLM_URL``)."""
+
+    python: str | None = None
+    """The python of a separate environment with vLLM installed: the job starts its own server with it."""
+    url: str | None = None
+    """Or the base URL of a running vLLM server (``http://127.0.0.1:8000``), dedicated to the job: its weights
+    are replaced by the job's at the first sync."""
+    start_timeout: float = 600.0
+    """Seconds a started server may take to answer ``/health``."""
+    skip_sync_at: int | None = None
+    """A test hook: the sync due after this many optimizer steps is not made (the check must then fail)."""
 
 
 class Callbacks:
@@ -42,4 +58,9 @@ class Callbacks:
     def judge(self, model: str) -> Endpoint | None:
         """The judge a ``score_model`` or ``label_model`` grader names by ``model``: the service's endpoint for it,
         None when none is offered (then the grader fails the job as a reward service would)."""
+        return None
+
+    def vllm(self) -> VllmSettings | None:
+        """Where a job with ``rollout_engine: vllm`` gets its vLLM server: the python of the operator's vLLM
+        environment or a server's URL; None when this runner offers none (then such a job fails at its start)."""
         return None

@@ -10,6 +10,7 @@ rlhf generate --model DIR --prompt TEXT     sample from a job folder, a checkpoi
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ import yaml
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from engine.callbacks import Callbacks
+from engine.callbacks import Callbacks, VllmSettings
 from engine.spec.config import JOB_TYPES, JobSpec, format_errors
 from engine.spec.rows import Message
 from engine.tracking import METRICS_FILE, MetricsFile, Tracker, TrackingOptions, switched_on
@@ -47,6 +48,11 @@ class ProgressBar(Callbacks):
 
     def on_event(self, kind: str, message: str, data: dict[str, object] | None = None) -> None:
         tqdm.write(f"[{self.label}] {kind}: {message}")
+
+    def vllm(self) -> VllmSettings | None:
+        """``RLHF_VLLM_URL`` or ``RLHF_VLLM_PYTHON`` from the environment, as a worker reads them."""
+        python, url = os.environ.get("RLHF_VLLM_PYTHON"), os.environ.get("RLHF_VLLM_URL")
+        return VllmSettings(python=python, url=url) if python or url else None
 
     def close(self) -> None:
         if self.bar is not None:

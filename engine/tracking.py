@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
 
-from engine.callbacks import Callbacks, StopRequest
+from engine.callbacks import Callbacks, StopRequest, VllmSettings
+from engine.rewards.judge import Endpoint
 from engine.spec.config import JobSpec, TrackingBackend
 
 BACKENDS: tuple[TrackingBackend, ...] = get_args(TrackingBackend)
@@ -67,6 +68,12 @@ class Forward(Callbacks):
 
     def should_stop(self) -> StopRequest | None:
         return self.inner.should_stop()
+
+    def judge(self, model: str) -> Endpoint | None:
+        return self.inner.judge(model)
+
+    def vllm(self) -> VllmSettings | None:
+        return self.inner.vllm()
 
 
 class MetricsFile(Forward):

@@ -36,12 +36,13 @@ from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
-from engine.callbacks import Callbacks, StopRequest
+from engine.callbacks import Callbacks, StopRequest, VllmSettings
 from engine.core.checkpoint import list_checkpoints
 from engine.core.data import DatasetError
 from engine.core.health import TrainingCollapseError
 from engine.core.loop import NonFiniteLossError
 from engine.core.models import IncompleteSaveError, ModelNotFoundError
+from engine.core.vllm import RolloutEngineError, RolloutEngineLost, RolloutOutOfSyncError
 from engine.rewards.graders import RewardError, RewardFunctionError, RewardServiceError, model_refs, replace_models
 from engine.rewards.judge import Endpoint
 from engine.run import run_job as run_engine
@@ -156,6 +157,8 @@ class DbCallbacks(Callbacks):
     def __init__(self, job_id: str, *, settings: Settings, worker: str, out_dir: Path) -> None:
         self.job_id = job_id
         self.judges = settings.judges
+        self.vllm_python, self.vllm_url = settings.vllm_python, settings.vllm_url
+        self.vllm_start_timeout = settings.vllm_start_timeout_seconds
         self.worker = worker
         self.url = settings.resolved_database_url
         self.lease_seconds = settings.lease_seconds
@@ -216,6 +219,12 @@ class DbCallbacks(Callbacks):
         """This worker's judge of that name (``RLHF_JUDGES``)."""
         setting = self.judges.get(model)
         return setting.endpoint(model) if setting is not None else None
+
+    def vllm(self) -> VllmSettings | None:
+        """This worker's vLLM (``RLHF_VLLM_URL``, else ``RLHF_VLLM_PYTHON``); None without either."""
+        if self.vllm_url is None and self.vllm_python is None:
+            return None
+        return VllmSettings(python=self.vllm_python, url=self.vllm_url, start_timeout=self.vllm_start_timeout)
 
     def should_stop(self) -> StopRequest | None:
         if time.monotonic() - self.status_at > STATUS_MAX_AGE_S:
@@ -364,6 +373,10 @@ def error_code(error: BaseException) -> str:
         return "reward_function_failed"  # a python grader raised, or returned something other than numbers
     if isinstance(error, RewardError):
         return "reward_failed"  # e.g. a template naming a column the dataset lacks
+    if isinstance(error, RolloutOutOfSyncError):
+        return "rollout_out_of_sync"  # after a weight sync, vLLM's log-probs of the probe are not the trainer's
+    if isinstance(error, RolloutEngineError):
+        return "rollout_engine_failed"  # the job's vLLM server would not start, or refused a request
     if isinstance(error, TrainingCollapseError):
         return "training_collapse"  # a PPO collapse signal, with hyperparameters.collapse.action "stop"
     if isinstance(error, torch.cuda.OutOfMemoryError | MemoryError) or _cpu_out_of_memory(error):
@@ -484,6 +497,8 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
         status = result.status
     except LeaseLostError:
         raise
+    except RolloutEngineLost as e:  # the job's vLLM server died: as a lost process, the job resumes
+        return _lost(job_id, attempt, settings, str(e))
     except RankFailure as e:
         if e.code == LOST:
             return _lost(job_id, attempt, settings, e.message)

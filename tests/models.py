@@ -163,13 +163,16 @@ def build_model(
     tokenizer: Path | None = None,
     seed: int = 0,
     tie_word_embeddings: bool | None = None,
+    config: dict[str, Any] | None = None,
     **tokenizer_options: bool,
 ) -> Path:
     """A 2-layer, 64-dim random-weight causal LM of ``arch`` (of ``ARCHITECTURES`` or ``MORE_ARCHITECTURES``) and
     its tokenizer, saved in ``folder``.
 
     The tokenizer is copied from ``tokenizer`` (a folder) or built with ``build_tokenizer(**tokenizer_options)``;
-    embeddings stay tied or untied as the architecture's config has them unless ``tie_word_embeddings`` is given.
+    embeddings stay tied or untied as the architecture's config has them unless ``tie_word_embeddings`` is given;
+    ``config``: more of the config's fields (e.g. 2 heads of 32, which vLLM's CPU attention takes, where it refuses
+    the 4 heads of 16 of the default size).
     """
     if arch not in CONFIGS:
         raise ValueError(f"unknown architecture {arch!r}; expected one of {ARCHITECTURES + MORE_ARCHITECTURES}")
@@ -191,9 +194,10 @@ def build_model(
     options.update(EXTRA.get(arch, {}))
     if tie_word_embeddings is not None:
         options["tie_word_embeddings"] = tie_word_embeddings
-    config = CONFIGS[arch](**options)
+    options.update(config or {})
+    model_config = CONFIGS[arch](**options)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(model_config)
     model.save_pretrained(folder)
     if tokenizer != folder:
         tok.save_pretrained(folder)

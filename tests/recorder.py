@@ -9,15 +9,19 @@
 from pathlib import Path
 from typing import Any
 
-from engine.callbacks import Callbacks, StopRequest
+from engine.callbacks import Callbacks, StopRequest, VllmSettings
 
 
 class Recorder(Callbacks):
     """Stores everything a job reports; can ask for ``"pause"`` or ``"cancel"`` after a given step."""
 
-    def __init__(self, stop_after: int | None = None, stop: StopRequest = "pause") -> None:
+    def __init__(
+        self, stop_after: int | None = None, stop: StopRequest = "pause", vllm: VllmSettings | None = None
+    ) -> None:
         self.stop_after = stop_after
         self.stop = stop
+        self.vllm_settings = vllm
+        """What :meth:`vllm` offers a ``rollout_engine: vllm`` job."""
         self.starts: list[tuple[int, int]] = []
         self.metrics: dict[int, dict[str, float]] = {}
         self.samples: dict[int, list[dict[str, Any]]] = {}
@@ -50,6 +54,9 @@ class Recorder(Callbacks):
             self.stop_requests.append(last)
             return self.stop
         return None
+
+    def vllm(self) -> VllmSettings | None:
+        return self.vllm_settings
 
     def series(self, name: str) -> list[float]:
         """``name`` at every reported step, in step order."""

@@ -21,6 +21,7 @@ from engine.core.generate import Decoder, sample
 from engine.core.loop import Run, Start, check_finite, clip_and_step
 from engine.core.models import folded_adapters, rounds_when_folded, token_logprobs
 from engine.core.ops import aggregate, kl_per_token
+from engine.core.vllm import VllmSampler
 from engine.spec.config import Aggregation, TrainConfig
 from engine.spec.policy_losses import POLICY_LOSSES, LossBatch, LossSettings, rollout_correction
 
@@ -158,6 +159,11 @@ class Learner:
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.max_grad_norm: float | None = None
         self._clipped: list[torch.nn.Parameter] = self.params
+        self.updates = 0
+        """Optimizer steps taken in this process (a rollout engine syncs the weights when it changed)."""
+        self.rollout: VllmSampler | None = None
+        """The rollout engine :meth:`sample` samples on instead of the trainer's own sampler (``rollout_engine:
+        vllm``): it gets the weights pushed before it samples a changed policy."""
 
     def gathered(self) -> AbstractContextManager[None]:
         """:meth:`Ranks.gathered` of the policy and its frozen reference: within it one rank may compute alone."""
@@ -274,7 +280,9 @@ class Learner:
         """Clip the global gradient norm (of every parameter the optimizer holds), step, clear the gradients;
         returns the norm before clipping."""
         assert self.optimizer is not None, "start_training first"
-        return clip_and_step(self._clipped, self.optimizer, self.max_grad_norm)
+        norm = clip_and_step(self._clipped, self.optimizer, self.max_grad_norm)
+        self.updates += 1
+        return norm
 
     @torch.inference_mode()
     def sample(
@@ -293,8 +301,14 @@ class Learner:
         tokens are taken again by the training pass itself (adapters unfused): PPO's old log-probs, ratio,
         approx-KL and KL then agree with the update's. That is one forward over the sampled tokens, where decoding
         unfused pays the adapters' kernels at every token. Not ``retake``: the sampler's own log-probs always (a
-        caller that takes the training pass's itself, for ``rollout_correction``)."""
+        caller that takes the training pass's itself, for ``rollout_correction``).
+
+        With a rollout engine (:attr:`rollout`) the samples and their log-probs are the engine's, the policy's
+        weights pushed to it first if they changed since its last sync; the caller takes the training pass's."""
         s = self.sampling
+        if self.rollout is not None:
+            return self.rollout.sample(self.updates, queries, query_mask, generator, group_size, s.response_length,
+                                       s.temperature, s.top_k, s.stop_token_ids)  # fmt: skip
         self.model.eval()
         # sharded (FSDP): every rank gathers the weights, then decodes its share alone, as long as it takes
         with self.ranks.gathered(self.model), folded_adapters(self.model, rounded=True):
@@ -307,6 +321,14 @@ class Learner:
             # over every sampled token: those after a row's stop are junk, as the sampler's are (the caller masks)
             logprobs = self.forward(Tokens(query_responses, attention_mask, queries.shape[1]))
         return raw, logprobs
+
+    def sampler_metrics(self) -> dict[str, float]:
+        """The sampler's metrics of the last rollout: ``rollout/compiled_fraction`` of the compiled decoder, the
+        rollout engine's ``rollout/sync_gap`` and ``rollout/sync_seconds`` of its last sync."""
+        metrics = self.rollout.metrics() if self.rollout is not None else {}
+        if self.decoder is not None:
+            metrics["rollout/compiled_fraction"] = self.decoder.compiled_fraction()
+        return metrics
 
     def save_state(self) -> dict[str, Any]:
         """The trained weights (the parameters that train, by name: LoRA's adapters, or every weight), the

@@ -471,19 +471,22 @@ def base_name(name: str) -> str:
     return re.sub(r"\.base_layer(?=\.|$)", "", name)
 
 
-def merged_state_dict(model: PreTrainedModel, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def merged_state_dict(
+    model: PreTrainedModel, state: dict[str, torch.Tensor] | None = None, adapters: bool = True
+) -> dict[str, torch.Tensor]:
     """The base model's weights with the adapters folded in, under the base model's own names.
 
     Computed on the side (W + ΔW per adapted parameter) so the training weights are never touched. ``state``:
     the LoRA model's whole state dict, when ``model.state_dict()`` would give shards (FSDP; the adapters are then
-    read from the gathered modules).
+    read from the gathered modules). Not ``adapters``: the base weights alone (what a vLLM server loads adapters
+    onto).
     """
     from peft.tuners.lora import LoraLayer, ParamWrapper
 
     base = model.get_base_model()  # type: ignore[operator]
     deltas: dict[str, torch.Tensor] = {}  # the adapted parameter's own name → ΔW, of its shape
     for name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and module.active_adapters[0] in module.lora_A:
+        if adapters and isinstance(module, LoraLayer) and module.active_adapters[0] in module.lora_A:
             param = module.parameter_name if isinstance(module, ParamWrapper) else "weight"
             deltas[base_name(f"{name}.{param}")] = module.get_delta_weight(module.active_adapters[0])  # type: ignore[attr-defined]
     merged = {}

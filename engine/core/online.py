@@ -22,10 +22,12 @@ from engine.core.models import (
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
+    merged_state_dict,
     prepare,
     resolve_stop_token,
 )
 from engine.core.rollout import Rollout, Scorer, decode_responses, merged, roll_out, text_scorer, token_scorer
+from engine.core.vllm import RolloutEngineError, VllmSampler, start_sampler
 from engine.rewards.function import RewardFunction, eval_metrics, grader_scorer, samples_of
 from engine.rewards.graders import ModelGrader, RewardScores, Samples
 from engine.rewards.reward_model import same_vocabulary
@@ -65,12 +67,32 @@ def open_policy(
     check_fits(policy, limit + cfg.response_length, "max_prompt_length + response_length")
     stop_token_ids = resolve_stop_token(cfg.stop_token, policy, tokenizer)  # (): responses run to response_length
     sampling = Sampling(cfg.response_length, cfg.temperature, cfg.top_k, stop_token_ids)
-    decoder = job_decoder(policy, cfg.cuda_graphs, limit, rows_per_rollout, device,
-                          warn=decode_warning(run.callbacks))  # fmt: skip
+    vllm = cfg.rollout_engine == "vllm"
+    decoder = None if vllm else job_decoder(policy, cfg.cuda_graphs, limit, rows_per_rollout, device,
+                                            warn=decode_warning(run.callbacks))  # fmt: skip
     if decoder is not None:
         run.at_end(decoder.close)
     learner = Learner(policy, run.ranks, sampling, cfg.mini_batch_size, ref_policy, cfg.torch_compile, decoder)
+    if vllm:
+        learner.rollout = open_rollout_engine(run, cfg, policy, limit + cfg.response_length)
     return learner, limit
+
+
+def open_rollout_engine(run: Run, cfg: OnlineConfig, policy: PreTrainedModel, max_model_len: int) -> VllmSampler:
+    """The job's vLLM sampler (``rollout_engine: vllm``), on the server the worker's settings name, closed when the
+    job ends; its folders (the weights it reloads, the adapters it loads, the server's log) under ``rollout/``."""
+    settings = run.callbacks.vllm()
+    if settings is None:
+        raise RolloutEngineError(
+            "hyperparameters.rollout_engine is vllm, and this worker has no vLLM: set RLHF_VLLM_PYTHON (the python "
+            "of an environment with vLLM installed) or RLHF_VLLM_URL (a running vLLM server) on the worker"
+        )
+    lora_rank = run.spec.lora.r if run.spec.lora is not None else None
+    base_state = merged_state_dict(policy, adapters=False) if lora_rank is not None else None
+    sampler = start_sampler(settings, policy, run.tokenizer, run.out_dir / "rollout", max_model_len,
+                            cfg.sync_max_gap, lora_rank, base_state)  # fmt: skip
+    run.at_end(sampler.close)
+    return sampler
 
 
 @torch.inference_mode()

@@ -105,7 +105,7 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
         #    log-probs of the samples (and their scores, with a reward); every rank's samples are then gathered
         share = ranks.share(cfg.batch_size)
         ro, scored = roll_out_rows(learner, tokenizer, cfg.max_prompt_length, scorer, batch_rows, rng.sampling, G,
-                                   share=share, trainer_logprobs=cfg.rollout_correction is not None)  # fmt: skip
+                                   share=share, trainer_logprobs=cfg.trainer_logprobs)  # fmt: skip
         ro = gather_rollout(ro, ranks, tokenizer.pad_token_id)
         scored = None if scored is None else gathered(scored, ranks, device)
         t_rollout = time.perf_counter() - t0
@@ -151,8 +151,7 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
             **update_metrics(ro, mask, stats, lr, t_rollout, elapsed),
             **correction_metrics(ro, cfg.rollout_correction),
         })  # fmt: skip
-        if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
-            metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()
+        metrics.update(learner.sampler_metrics())  # the compiled decoding's share, or the rollout engine's sync
         if run.eval_due(step, cfg.eval_every):
             with learner.gathered():  # rank 0 evaluates its held-out prompts (the others have none)
                 if eval_rows:

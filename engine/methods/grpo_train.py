@@ -80,7 +80,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
         #    the samples of every rank are then gathered, group by group
         ro, scored = roll_out_rows(learner, tokenizer, cfg.max_prompt_length, scorer, batch_rows, rng.sampling, G,
                                    share=ranks.share(cfg.batch_size),
-                                   trainer_logprobs=cfg.rollout_correction is not None)  # fmt: skip
+                                   trainer_logprobs=cfg.trainer_logprobs)  # fmt: skip
         assert scored is not None
         ro, scored = gather_rollout(ro, ranks, tokenizer.pad_token_id), gathered(scored, ranks, device)
         t_rollout = time.perf_counter() - t0
@@ -111,8 +111,7 @@ def train_grpo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch
             **update_metrics(ro, mask, stats, lr, t_rollout, elapsed),
             **correction_metrics(ro, cfg.rollout_correction),
         })  # fmt: skip
-        if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
-            metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()
+        metrics.update(learner.sampler_metrics())  # the compiled decoding's share, or the rollout engine's sync
         if run.eval_due(step, cfg.eval_every):
             with learner.gathered():  # rank 0 evaluates its held-out prompts (the others have none)
                 if eval_rows:

@@ -120,7 +120,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         #    after the stop token, with logprobs, ref_logprobs, values and scores. Every rank's rows are then
         #    gathered: the stages up to the PPO epochs see the whole batch.
         with ranks.gathered(critic):  # sharded: the critic's values (and scores) of a rank's share, by it alone
-            ro, graded = roll(batch_rows, rng.sampling, share=ranks.share(B), trainer_logprobs=correction is not None)
+            ro, graded = roll(batch_rows, rng.sampling, share=ranks.share(B), trainer_logprobs=cfg.trainer_logprobs)
         ro = gather_rollout(ro, ranks, tokenizer.pad_token_id)
         graded = gathered(graded, ranks, device) if graded else None  # graders: every rank's components
         mask = ro.mask.float()  # (B, T)
@@ -167,8 +167,7 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
         metrics.update(correction_metrics(ro, correction))  # the sync check, with rollout_correction
         if ptx_rows:
             metrics["loss/ptx"] = mean(stats["ptx"])
-        if learner.decoder is not None:  # the share of this step's decoding steps that ran compiled
-            metrics["rollout/compiled_fraction"] = learner.decoder.compiled_fraction()
+        metrics.update(learner.sampler_metrics())  # the compiled decoding's share, or the rollout engine's sync
         if graded is not None:  # the reward's components, over every rank's rows
             metrics.update(reward_metrics(graded))
         if run.eval_due(step, cfg.eval_every):

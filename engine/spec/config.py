@@ -72,6 +72,9 @@ PolicyLossName = Annotated[
 """PPO's and GRPO's ``policy_loss``: a name of :data:`engine.spec.policy_losses.POLICY_LOSSES`."""
 DualClip = Annotated[float, Field(gt=1, le=1000)]
 """PPO's and GRPO's ``dual_clip``: the cap c > 1 of a negative advantage's loss, -c·A."""
+DEFAULT_VLLM_CORRECTION = 2.0
+"""``rollout_correction`` of a job sampled by vLLM that does not set it: Yao et al.'s cap."""
+
 RolloutCorrection = Annotated[float, Field(gt=1, le=100)]
 """PPO's and GRPO's ``rollout_correction``: the cap C > 1 of the truncated importance weight min(π_old/π_sampler, C)
 of each token's policy loss (engine/spec/policy_losses.py ``rollout_correction``)."""
@@ -305,6 +308,39 @@ class SamplingConfig(TrainConfig):
     its prompts; a step that cannot be compiled or recorded falls back to eager decoding with a ``warning`` event,
     and ``rollout/compiled_fraction`` reports the share of decoding steps run compiled. Off: the growing cache,
     eagerly. No effect on CPU. The same tokens either way; log-probs equal up to rounding."""
+    rollout_correction: RolloutCorrection | None = None
+    """The cap of truncated importance sampling of the sampler's mismatch (each method says how it applies it)."""
+    rollout_engine: Literal["builtin", "vllm"] = "builtin"
+    """What samples the rollouts. ``builtin``: the trainer's own sampler, on the trainer's weights. ``vllm``: a vLLM
+    server (continuous batching, paged KV cache), which the worker starts for the job from the operator's vLLM
+    environment (``RLHF_VLLM_PYTHON``) or an operator's server (``RLHF_VLLM_URL``); after every optimizer step the
+    policy's weights are pushed to it (LoRA: the adapters, loaded under a new name each version), and a probe's
+    log-probs there are checked against the trainer's (``rollout/sync_gap``, ``rollout/sync_seconds``). The
+    training pass takes its own log-probs of vLLM's samples, and ``rollout_correction`` defaults to 2. One
+    process only (``resources.num_processes`` and ``num_nodes`` 1)."""
+    rollout_sync_max_gap: Annotated[float, Field(gt=0, le=100)] | None = None
+    """With ``rollout_engine: vllm``: the largest mean absolute difference per token between vLLM's and the
+    trainer's log-probs of the probe after a weight sync; above it the job fails with ``rollout_out_of_sync`` (its
+    checkpoints kept). None: 1e-3 in float32, 0.05 in bfloat16 (the kernels' rounding)."""
+
+    @model_validator(mode="after")
+    def _vllm_corrects_by_default(self) -> "SamplingConfig":
+        if self.rollout_engine == "vllm" and "rollout_correction" not in self.model_fields_set:
+            self.rollout_correction = DEFAULT_VLLM_CORRECTION
+        return self
+
+    @property
+    def trainer_logprobs(self) -> bool:
+        """Whether the rollout takes the training pass's log-probs of the samples (the sampler's kept besides):
+        with ``rollout_correction``, and always for vLLM's samples."""
+        return self.rollout_correction is not None or self.rollout_engine == "vllm"
+
+    @property
+    def sync_max_gap(self) -> float:
+        """``rollout_sync_max_gap``, or its default for the dtype."""
+        if self.rollout_sync_max_gap is not None:
+            return self.rollout_sync_max_gap
+        return 1e-3 if self.dtype == "float32" else 0.05
 
 
 class PPOConfig(SamplingConfig):
@@ -1138,6 +1174,15 @@ class JobSpec(_Strict):
         if self.reward is not None:
             return self.reward
         return ModelGrader(type="model", name="reward_model", model=self.reward_model) if self.reward_model else None
+
+    @model_validator(mode="after")
+    def _vllm_in_one_process(self) -> "JobSpec":
+        if self.hyperparameters.get("rollout_engine") == "vllm" and self.resources.world_size > 1:
+            raise ValueError(
+                "hyperparameters.rollout_engine vllm samples for one training process: set resources.num_processes "
+                "and num_nodes to 1, or use rollout_engine builtin"
+            )
+        return self
 
     @model_validator(mode="after")
     def _batches_split_over_processes(self) -> "JobSpec":

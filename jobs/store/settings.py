@@ -113,6 +113,16 @@ class Settings(BaseSettings):
     """This worker's address on the network its hosts share, for jobs across hosts (``resources.num_nodes``): the
     other hosts' ranks reach the claiming worker there, and torchrun's rendezvous and process group bind to it.
     The default takes jobs across hosts on this machine only."""
+    vllm_python: str | None = None
+    """The python of a separate environment with vLLM installed (``RLHF_VLLM_PYTHON``, e.g.
+    ``/opt/vllm/bin/python``): a job with ``rollout_engine: vllm`` starts its own vLLM server with it, on loopback,
+    for as long as it runs. vLLM pins its own torch and transformers, so it never shares the worker's environment."""
+    vllm_url: str | None = None
+    """Or a running vLLM server's base URL (``RLHF_VLLM_URL``) that the worker's jobs sample on, one job at a time:
+    started with ``VLLM_SERVER_DEV_MODE=1`` (its weight reload), ``--enable-lora`` for LoRA jobs, the job's base
+    model, and ``--logprobs-mode processed_logprobs``. Taken before ``vllm_python``."""
+    vllm_start_timeout_seconds: float = Field(default=600, gt=0)
+    """How long a job waits for the vLLM server it started to answer (``rollout_engine_failed`` after)."""
     join_timeout_seconds: float = Field(default=600, gt=0)
     """How long a job across hosts waits for its other hosts' train workers to join it before it fails
     (``hosts_unavailable``)."""

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core.vllm import VllmServer
 from engine.spec.config import JobSpec
 from tests.engine.helpers import EVAL_DATASETS, RM_FIXTURE_STEPS, Pretrained, make_spec, train
+from tests.vllm_server import tiny_server
 
 
 @pytest.fixture
@@ -73,3 +75,11 @@ def digits_sft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result, _ = train(spec, out)
     assert result.status == "succeeded"
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """One vLLM server of ``builtin:tiny`` for the session's ``rollout_engine: vllm`` jobs on it (tests.vllm_server)."""
+    server = tiny_server(tmp_path_factory.mktemp("vllm"))
+    yield server
+    server.close()

@@ -15,10 +15,12 @@ from typing import Any
 import pytest
 import yaml
 
+from engine.callbacks import VllmSettings
 from engine.core.checkpoint import JOB_FILE, list_checkpoints
+from engine.rewards.judge import Endpoint
 from engine.run import run_job
 from engine.spec.config import JobSpec
-from engine.tracking import BACKENDS, Tracker, TrackingOptions, switched_on
+from engine.tracking import BACKENDS, MetricsFile, Tracker, TrackingOptions, switched_on
 from tests.engine.helpers import CPU, make_spec
 from tests.helpers import free_port
 from tests.recorder import Recorder
@@ -278,3 +280,18 @@ def test_rlhf_train_writes_metrics_jsonl_and_the_trackers_into_its_folder(tmp_pa
     assert again[:2] == lines[:2]
     assert [json.loads(line)["step"] for line in again] == [1, 2, 3, 4]
     assert [step for step, _ in tensorboard_series(out / "tensorboard")["loss/sft"]] == [1, 2, 3, 4]
+
+
+def test_wrapped_callbacks_still_offer_the_runners_judges_and_vllm(tmp_path: Path) -> None:
+    """A tracking wrapper passes on what the runner offers a job (a grader's judge, the vLLM to sample on), not
+    only what the job reports: without it a tracked job would lose them."""
+
+    class Offering(Recorder):
+        def judge(self, model: str) -> Endpoint | None:
+            return Endpoint(url="http://127.0.0.1:9/v1", model=model) if model == "judge-small" else None
+
+    settings = VllmSettings(url="http://127.0.0.1:8000")
+    wrapped = MetricsFile(Offering(vllm=settings), tmp_path / "metrics.jsonl")
+    assert wrapped.vllm() == settings
+    judge = wrapped.judge("judge-small")
+    assert judge is not None and judge.model == "judge-small" and wrapped.judge("other") is None

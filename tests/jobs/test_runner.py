@@ -12,10 +12,12 @@ import pytest
 import torch
 from sqlalchemy.exc import OperationalError
 
+from engine.callbacks import VllmSettings
 from engine.core.data import DatasetError
 from engine.core.health import TrainingCollapseError
 from engine.core.loop import NonFiniteLossError
 from engine.core.models import IncompleteSaveError, ModelNotFoundError
+from engine.core.vllm import RolloutEngineError, RolloutEngineLost, RolloutOutOfSyncError
 from engine.spec.rows import ChatTemplateMissingError
 from jobs import runner
 from jobs.distributed import LOST, RankFailure
@@ -420,3 +422,37 @@ def test_a_job_that_cannot_fit_the_workers_gpu_fails_before_it_loads(
         'it fits with {"resources": {"sharding": "fsdp", "num_processes": 4}}' in job.error_message
     )  # 8 rows: 4, not 3
     assert disk_checkpoint_steps(sqlite_settings, job_id) == []
+
+
+def test_a_lost_vllm_server_loses_the_attempt_and_requeues_the_job(
+    settings: Settings, project_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's vLLM server that dies mid-job (``RolloutEngineLost``) ends the attempt as a lost process does: back
+    to the queue with the next attempt, which resumes from the last checkpoint."""
+    job_id = create_job(settings, project_id, sft_spec())
+
+    def lose(*args: object, **kwargs: object) -> None:
+        raise RolloutEngineLost("the vLLM server at http://127.0.0.1:9 is gone (it exited with code -9: killed)")
+
+    monkeypatch.setattr(runner, "run_engine", lose)
+    assert runner.run_job(job_id, settings=settings, worker="w:1") == "queued"
+    job = get_job(settings, job_id)
+    assert (job.attempt, job.worker) == (2, None)
+    warnings = [e.message for e in events(settings, job_id) if e.kind == "warning"]
+    assert "vLLM server" in warnings[0] and "goes back to the queue for attempt 2" in warnings[0]
+
+
+def test_a_worker_offers_its_vllm_to_jobs(sqlite_settings: Settings, tmp_path: Path) -> None:
+    """``RLHF_VLLM_URL`` / ``RLHF_VLLM_PYTHON`` are what a ``rollout_engine: vllm`` job samples on; none: None."""
+
+    def offered(**fields: object) -> VllmSettings | None:
+        worker_settings = sqlite_settings.model_copy(update=fields)
+        return runner.DbCallbacks("job_x", settings=worker_settings, worker="w:1", out_dir=tmp_path).vllm()
+
+    assert offered() is None
+    assert offered(vllm_python="/opt/vllm/bin/python", vllm_start_timeout_seconds=90) == VllmSettings(
+        python="/opt/vllm/bin/python", start_timeout=90
+    )
+    assert offered(vllm_url="http://127.0.0.1:8000") == VllmSettings(url="http://127.0.0.1:8000")
+    assert runner.error_code(RolloutOutOfSyncError("gap")) == "rollout_out_of_sync"
+    assert runner.error_code(RolloutEngineError("refused")) == "rollout_engine_failed"

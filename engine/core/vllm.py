@@ -1,0 +1,336 @@
+"""Rollouts on a vLLM server (``rollout_engine: "vllm"``): sampling through its OpenAI-compatible completions
+endpoint, weight sync after the policy changed, and the check that the sync took.
+
+vLLM pins its own torch and transformers, so it never runs in the trainer's environment: the job starts
+``python -m vllm.entrypoints.openai.api_server`` from the environment the operator names (:class:`VllmServer`), or
+talks to a server the operator runs. :class:`VllmSampler` is what :meth:`engine.core.learner.Learner.sample`
+delegates to. Before it samples from a policy whose weights changed since the last sync, it pushes them:
+
+- LoRA: the adapters saved under a new name each version and loaded with ``/v1/load_lora_adapter`` (the old
+  one unloaded), the requests then naming the new adapter;
+- full weights: saved into the job's ``rollout/weights`` folder and reloaded with ``/collective_rpc``
+  ``reload_weights``, which needs the server's dev mode (``VLLM_SERVER_DEV_MODE=1``).
+
+After every sync it asks vLLM for the log-probs of a fixed probe (the first batch's longest prompt, at
+temperature 1) and compares them with the trainer's: their mean absolute difference is ``rollout/sync_gap``, and
+above the job's ``rollout_sync_max_gap`` the job fails with :class:`RolloutOutOfSyncError`. A server that dies or
+stops answering is :class:`RolloutEngineLost`: the attempt is lost, the job resumes from its last checkpoint.
+"""
+
+import os
+import secrets
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from safetensors.torch import save_file
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from engine.callbacks import VllmSettings
+from engine.core.models import token_logprobs
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM's ``--max-lora-rank`` accepts."""
+
+
+class RolloutEngineError(RuntimeError):
+    """The vLLM server could not start, or refused a request (an adapter it cannot load, a bad request)."""
+
+
+class RolloutEngineLost(RuntimeError):
+    """The vLLM server died or stopped answering mid-job: the attempt is lost, as a lost worker's."""
+
+
+class RolloutOutOfSyncError(RuntimeError):
+    """After a sync, vLLM's log-probs of the probe are not the trainer's: it is not sampling the trained policy."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class VllmServer:
+    """A vLLM OpenAI-compatible server the job runs, on loopback, from the operator's environment."""
+
+    def __init__(
+        self, python: str, model_dir: Path, max_model_len: int, dtype: str, lora_rank: int | None, log_path: Path
+    ) -> None:
+        if not Path(python).is_file():
+            raise RolloutEngineError(f"no python at {python} (RLHF_VLLM_PYTHON): the vLLM environment is not there")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                   "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0",
+                   "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]  # fmt: skip
+        if not torch.cuda.is_available():
+            command.append("--enforce-eager")
+        if lora_rank is not None:
+            rank = next((r for r in LORA_RANKS if r >= lora_rank), lora_rank)
+            command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+               "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU server
+        for name in ("PYTHONPATH", "VIRTUAL_ENV"):  # the trainer's environment is not vLLM's
+            env.pop(name, None)
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)  # fmt: skip
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RolloutEngineError(f"the vLLM server exited with code {self.process.returncode} while "
+                                         f"starting: {self.log_tail()}")  # fmt: skip
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.close()
+        raise RolloutEngineError(f"the vLLM server did not answer within {timeout:.0f} s: {self.log_tail()}")
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def log_tail(self, lines: int = 8) -> str:
+        try:
+            return " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, 15)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, 9)
+                self.process.wait()
+
+
+class VllmSampler:
+    """Samples a policy's responses on a vLLM server and keeps the server's weights the trainer's."""
+
+    def __init__(
+        self,
+        url: str,
+        model: PreTrainedModel,
+        folder: Path,
+        max_gap: float,
+        server: VllmServer | None = None,
+        skip_sync_at: int | None = None,
+        lora: bool = False,
+        request_timeout: float = 600.0,
+    ) -> None:
+        self.url, self.model, self.folder, self.max_gap = url, model, folder, max_gap
+        self.server, self.skip_sync_at, self.lora = server, skip_sync_at, lora
+        self.client = httpx.Client(base_url=url, timeout=request_timeout)
+        self.served = self._served_model()
+        """The name requests sample from: the base model, or the newest adapter."""
+        self.synced: int | None = None
+        """The optimizer steps the policy had taken when vLLM last got its weights (None: never)."""
+        self.version = 0
+        self.tag = secrets.token_hex(4)
+        """In the adapters' names, so that jobs taking turns on an operator's server never share one."""
+        self.probe: list[int] | None = None
+        self.last: dict[str, float] = {}
+        """The last sync's metrics, reported with the step that sampled after it."""
+
+    def _served_model(self) -> str:
+        models = self._request("GET", "/v1/models")["data"]
+        return str(models[0]["id"])
+
+    # -- HTTP ---------------------------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        try:
+            response = self.client.request(method, path, json=body)
+        except httpx.TimeoutException as e:
+            raise RolloutEngineLost(f"the vLLM server at {self.url} did not answer {path}: {e}") from e
+        except httpx.TransportError as e:
+            died = ""
+            if self.server is not None and (exit_code := self.server.exit_code()) is not None:
+                died = f" (it exited with code {exit_code}: {self.server.log_tail(3)})"
+            raise RolloutEngineLost(f"the vLLM server at {self.url} is gone{died}: {e}") from e
+        if response.status_code >= 400:
+            raise RolloutEngineError(f"the vLLM server refused {path} ({response.status_code}): {response.text[:500]}")
+        if "json" not in response.headers.get("content-type", ""):
+            return response.text  # the adapter endpoints answer in plain text
+        return response.json()
+
+    # -- sampling -----------------------------------------------------------------------------------------------
+
+    def sample(
+        self,
+        updates: int,
+        queries: torch.Tensor,
+        query_mask: torch.Tensor,
+        generator: torch.Generator,
+        group_size: int,
+        response_length: int,
+        temperature: float,
+        top_k: int,
+        stop_token_ids: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``group_size`` responses to each query (B, P, left-padded) with vLLM's log-probs of them (at the
+        temperature, after top-k): tokens and log-probs (B·G, T), as the built-in sampler gives them (a row that
+        stopped ends with its stop token; what follows is junk for the caller to truncate). The weights are
+        synced first if the policy took ``updates`` optimizer steps since the last sync. Each prompt is one request
+        with its own seed, drawn from ``generator`` (so a resumed job samples alike)."""
+        prompts = [q[m.bool()].tolist() for q, m in zip(queries.cpu(), query_mask.cpu(), strict=True)]
+        if self.probe is None:
+            self.probe = max(prompts, key=len)
+        if self.synced != updates:
+            self.sync(updates)
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator, device=generator.device).tolist()
+        base = {"model": self.served, "n": group_size, "max_tokens": response_length, "temperature": temperature,
+                "logprobs": 0, "return_token_ids": True, "stop_token_ids": list(stop_token_ids),
+                "ignore_eos": True}  # fmt: skip
+        if top_k > 0:
+            base["top_k"] = top_k
+
+        def complete(i: int) -> list[dict[str, Any]]:
+            answer = self._request("POST", "/v1/completions", {**base, "prompt": prompts[i], "seed": seeds[i]})
+            return sorted(answer["choices"], key=lambda c: c["index"])
+
+        with ThreadPoolExecutor(max_workers=min(32, len(prompts))) as pool:  # vLLM batches them as they come
+            choices = [c for answer in pool.map(complete, range(len(prompts))) for c in answer]
+        longest = max(len(c["token_ids"]) for c in choices)
+        tokens = torch.zeros(len(choices), longest, dtype=torch.long)
+        logprobs = torch.zeros(len(choices), longest)
+        for row, choice in enumerate(choices):
+            ids = choice["token_ids"]
+            tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logprobs[row, : len(ids)] = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32)
+        return tokens.to(queries.device), logprobs.to(queries.device)
+
+    # -- weight sync and its check ------------------------------------------------------------------------------
+
+    def sync(self, updates: int) -> None:
+        """Push the policy's weights (after ``updates`` optimizer steps), then check vLLM samples from them."""
+        t0 = time.perf_counter()
+        if updates != self.skip_sync_at:
+            if self.synced is None and (self.server is None or not self.lora):
+                self._reload(self._base_folder() if self.lora else self._weights_folder())
+            elif not self.lora:
+                self._reload(self._weights_folder())
+            if self.lora:
+                self._load_adapter()
+            self._request("POST", "/reset_prefix_cache")  # cached prompts' keys and values are the old weights'
+        self.synced = updates
+        seconds = time.perf_counter() - t0
+        gap = self.check()
+        self.last = {"rollout/sync_gap": gap, "rollout/sync_seconds": seconds}
+        if gap > self.max_gap:
+            raise RolloutOutOfSyncError(
+                f"after the weight sync at optimizer step {updates}, vLLM's log-probs of the probe differ from the "
+                f"trainer's by {gap:.3g} per token on average (rollout_sync_max_gap {self.max_gap:g}): the rollout "
+                f"engine is not sampling the trained policy"
+            )
+
+    def _weights_folder(self) -> Path:
+        """The policy's whole state dict as one safetensors file, every name in it: a tied output embedding too
+        (``lm_head.weight``), which ``save_pretrained`` leaves out and vLLM's in-place reload (0.32) then keeps
+        from before, so that the model samples with a stale head."""
+        folder = self.folder / "weights"
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.model.state_dict().items()}
+        partial = folder / "model.safetensors.partial"
+        save_file(state, str(partial), metadata={"format": "pt"})
+        partial.replace(folder / "model.safetensors")
+        return folder
+
+    def _base_folder(self) -> Path:
+        return self.folder / "base"
+
+    def _reload(self, folder: Path) -> None:
+        self._request("POST", "/collective_rpc", {"method": "reload_weights",
+                                                  "kwargs": {"weights_path": str(folder)}})  # fmt: skip
+
+    def _load_adapter(self) -> None:
+        self.version += 1
+        name = f"policy-{self.tag}-v{self.version}"
+        folder = self.folder / "adapters" / name
+        self.model.save_pretrained(folder)
+        self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder / "default")
+                                                        if (folder / "default").is_dir() else str(folder)})  # fmt: skip
+        previous, self.served = self.served, name
+        if previous.startswith("policy-"):
+            self._request("POST", "/v1/unload_lora_adapter", {"lora_name": previous})
+
+    @torch.inference_mode()
+    def check(self) -> float:
+        """Mean |vLLM's − trainer's| log-prob of the probe's tokens at temperature 1."""
+        assert self.probe is not None
+        answer = self._request("POST", "/v1/completions", {"model": self.served, "prompt": self.probe,
+                                                           "max_tokens": 1, "temperature": 1.0,
+                                                           "prompt_logprobs": 0})  # fmt: skip
+        positions = answer["choices"][0]["prompt_logprobs"][1:]
+        served = torch.tensor([p[str(t)]["logprob"] for p, t in zip(positions, self.probe[1:], strict=True)])
+        ids = torch.tensor([self.probe], device=self.model.device)
+        self.model.eval()
+        trainer = token_logprobs(self.model, ids, torch.ones_like(ids), 1)[0][0].float().cpu()
+        return float((served - trainer).abs().mean())
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self.last)
+
+    def close(self) -> None:
+        """Stop the server the job started; on an operator's server, unload the job's adapter."""
+        try:
+            if self.server is None and self.served.startswith("policy-"):
+                self._request("POST", "/v1/unload_lora_adapter", {"lora_name": self.served})
+        except (RolloutEngineError, RolloutEngineLost):
+            pass  # the server's own trouble; the job's result stands
+        finally:
+            self.client.close()
+            if self.server is not None:
+                self.server.close()
+
+
+def start_sampler(
+    settings: VllmSettings,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    folder: Path,
+    max_model_len: int,
+    max_gap: float,
+    lora_rank: int | None,
+    base_state: dict[str, torch.Tensor] | None,
+) -> VllmSampler:
+    """A :class:`VllmSampler` of ``model`` on the operator's server, or on one started for the job from the
+    operator's vLLM environment with the policy's starting weights (``base_state``: a LoRA policy's base weights,
+    under the base model's names) saved in ``folder/base``."""
+    base = folder / "base"  # what a started server loads, and what an operator's server reloads under adapters
+    if lora_rank is not None:
+        model.get_base_model().save_pretrained(base, state_dict=base_state)  # type: ignore[operator]
+        tokenizer.save_pretrained(base)
+    elif settings.url is None:
+        model.save_pretrained(base)
+        tokenizer.save_pretrained(base)
+    server = None
+    if settings.url is None:
+        assert settings.python is not None
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        server = VllmServer(settings.python, base, max_model_len, dtype, lora_rank, folder / "vllm.log")
+        server.wait_ready(settings.start_timeout)
+    try:
+        url = settings.url or (server.url if server is not None else "")
+        return VllmSampler(url, model, folder, max_gap, server, settings.skip_sync_at, lora=lora_rank is not None)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise

@@ -1,0 +1,90 @@
+"""Rollouts on vLLM (``rollout_engine: vllm``, engine/core/vllm.py) with its CPU build, in the separate
+environment tests.vllm_server names: samples come from the server, the weights sync after every optimizer step
+(full weights by reload, LoRA adapters by loading), the sync check holds step after step, and a sync the test
+hook skips is caught. The learning result on the digits task is in test_grpo_train.py."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from engine.callbacks import VllmSettings
+from engine.core.vllm import RolloutEngineError, RolloutOutOfSyncError, VllmServer
+from engine.spec.config import JobSpec
+from jobs.runner import error_code
+from tests.engine.helpers import train
+from tests.models import build_model
+from tests.recorder import Recorder
+from tests.vllm_server import completions_served, vllm_python
+
+SIMILARITY = {"type": "text_similarity", "name": "similar", "input": "{{ sample.output_text }}",
+              "reference": "{{ item.prompt }}", "evaluation_metric": "fuzzy_match"}  # fmt: skip
+"""A reward that tells a random model's samples apart (the digits rule gives them all 0: no gradient, no change)."""
+
+
+def spec_of(model: str, **hyperparameters: Any) -> JobSpec:
+    return JobSpec.model_validate({
+        "type": "grpo", "model": model, "dataset": "builtin:digits-prompts", "reward": SIMILARITY, "seed": 0,
+        "checkpoint_every": 1,
+        "hyperparameters": {"total_steps": 3, "batch_size": 4, "group_size": 4, "mini_batch_size": 16,
+                            "response_length": 6, "learning_rate": 5e-3, "rollout_engine": "vllm",
+                            **hyperparameters},
+    })  # fmt: skip
+
+
+def test_full_weights_sync_after_every_step_and_vllm_samples_the_trained_policy(
+    tiny_vllm: VllmServer, tmp_path: Path
+) -> None:
+    served = completions_served(tiny_vllm)
+    result, rec = train(spec_of("builtin:tiny"), tmp_path / "job", Recorder(vllm=VllmSettings(url=tiny_vllm.url)))
+    assert (result.status, result.step) == ("succeeded", 3)
+    for step, values in rec.metrics.items():
+        assert values["rollout/sync_gap"] < 1e-3, step  # float32: vLLM's log-probs of the probe are the trainer's
+        assert values["rollout/sync_seconds"] > 0, step
+        # the training pass takes its own log-probs of vLLM's samples, weighted by the default correction (cap 2)
+        assert values["rollout/logprob_gap"] < 1e-3 and "rollout/correction_capped_fraction" in values, step
+        assert "rollout/compiled_fraction" not in values  # no built-in decoder is made
+    # 4 prompts a step, one request each, plus the probe after each of the 3 syncs
+    assert completions_served(tiny_vllm) - served == 3 * (4 + 1)
+    # the reloaded weights are the policy's after its 2nd step (the 3rd step's sync), every name in them
+    reloaded = load_file(tmp_path / "job" / "rollout" / "weights" / "model.safetensors")
+    saved = load_file(tmp_path / "job" / "checkpoints" / "step-2" / "policy" / "model.safetensors")
+    assert "lm_head.weight" in reloaded and set(saved) <= set(reloaded)
+    assert all((reloaded[name] == weight).all() for name, weight in saved.items())
+    first = load_file(tmp_path / "job" / "checkpoints" / "step-1" / "policy" / "model.safetensors")
+    assert any((first[name] != weight).any() for name, weight in saved.items())  # each sync moved real weights
+
+
+def test_a_skipped_sync_is_caught_and_the_checkpoints_are_kept(tiny_vllm: VllmServer, tmp_path: Path) -> None:
+    rec = Recorder(vllm=VllmSettings(url=tiny_vllm.url, skip_sync_at=2))  # the sync before step 3's rollout
+    with pytest.raises(RolloutOutOfSyncError, match="optimizer step 2") as caught:
+        train(spec_of("builtin:tiny"), tmp_path / "job", rec)
+    assert error_code(caught.value) == "rollout_out_of_sync"
+    assert sorted(rec.metrics) == [1, 2] and rec.checkpoint_steps() == [1, 2]
+    assert all(rec.metrics[s]["rollout/sync_gap"] < 1e-3 for s in (1, 2))
+
+
+def test_lora_adapters_load_under_a_new_name_each_step_on_a_server_the_job_starts(tmp_path: Path) -> None:
+    """A tiny Llama (2 heads of 32: vLLM's CPU attention refuses heads of 16) with LoRA r=8, on a server the
+    job starts from the vLLM environment and stops at its end."""
+    model = build_model("llama", tmp_path / "llama", config={"num_attention_heads": 2, "num_key_value_heads": 2})
+    spec = spec_of(str(model), total_steps=2)
+    spec = JobSpec.model_validate({**spec.model_dump(), "lora": {"r": 8}})
+    result, rec = train(spec, tmp_path / "job", Recorder(vllm=VllmSettings(python=vllm_python())))
+    assert (result.status, result.step) == ("succeeded", 2)
+    assert all(rec.metrics[s]["rollout/sync_gap"] < 1e-3 for s in (1, 2))
+    rollout = tmp_path / "job" / "rollout"
+    log = (rollout / "vllm.log").read_text(errors="replace")
+    assert log.count('"POST /v1/load_lora_adapter HTTP/1.1" 200') == 2  # one adapter per version
+    assert log.count('"POST /v1/unload_lora_adapter HTTP/1.1" 200') == 1  # the old one unloaded
+    assert sorted(p.name.rsplit("-", 1)[1] for p in (rollout / "adapters").iterdir()) == ["v1", "v2"]
+    assert not (rollout / "weights").exists()  # the base weights stay the server's: adapters alone move
+    v1, v2 = (load_file(next((rollout / "adapters").glob(f"*-v{v}")) / "adapter_model.safetensors") for v in (1, 2))
+    assert any((v1[name] != weight).any() for name, weight in v2.items())  # the second sync moved the adapters
+
+
+def test_a_vllm_job_without_vllm_fails_with_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(RolloutEngineError, match="RLHF_VLLM_PYTHON") as caught:
+        train(spec_of("builtin:tiny"), tmp_path / "job")
+    assert error_code(caught.value) == "rollout_engine_failed"
