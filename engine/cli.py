@@ -10,7 +10,6 @@ rlhf generate --model DIR --prompt TEXT     sample from a job folder, a checkpoi
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,9 +28,10 @@ from engine.tracking import METRICS_FILE, MetricsFile, Tracker, TrackingOptions,
 class ProgressBar(Callbacks):
     """A tqdm bar with the job's key metrics; events are printed above it."""
 
-    def __init__(self, job_type: str, label: str) -> None:
+    def __init__(self, job_type: str, label: str, vllm: VllmSettings | None = None) -> None:
         self.keys = JOB_TYPES[job_type].metrics[:3]  # the job type's headline metrics
         self.label = label
+        self.vllm_settings = vllm
         self.bar: tqdm | None = None
         self.shown: dict[str, float] = {}
 
@@ -50,9 +50,8 @@ class ProgressBar(Callbacks):
         tqdm.write(f"[{self.label}] {kind}: {message}")
 
     def vllm(self) -> VllmSettings | None:
-        """``RLHF_VLLM_URL`` or ``RLHF_VLLM_PYTHON`` from the environment, as a worker reads them."""
-        python, url = os.environ.get("RLHF_VLLM_PYTHON"), os.environ.get("RLHF_VLLM_URL")
-        return VllmSettings(python=python, url=url) if python or url else None
+        """``--vllm-python`` or ``--vllm-url``, for a ``rollout_engine: vllm`` spec."""
+        return self.vllm_settings
 
     def close(self) -> None:
         if self.bar is not None:
@@ -74,7 +73,9 @@ def parse_spec(data: dict[str, Any], source: str) -> JobSpec:
         raise SystemExit(f"{source}: invalid job spec\n{format_errors(e)}") from None
 
 
-def train(spec: JobSpec, out: Path, label: str | None = None, *, restart: bool = False) -> None:
+def train(
+    spec: JobSpec, out: Path, label: str | None = None, *, restart: bool = False, vllm: VllmSettings | None = None
+) -> None:
     """Train ``spec`` in the job folder ``out``, resuming the run there only when it is of the same spec.
 
     A folder holding a run of another spec raises :class:`~engine.core.checkpoint.SpecMismatchError` before anything
@@ -91,7 +92,7 @@ def train(spec: JobSpec, out: Path, label: str | None = None, *, restart: bool =
     else:
         for change in check_same_spec(out, spec):
             print(f"{label or spec.name or spec.type}: resuming as this version trains it: {change}")
-    bar = ProgressBar(spec.type, label or spec.name or spec.type)
+    bar = ProgressBar(spec.type, label or spec.name or spec.type, vllm)
     callbacks: Callbacks = MetricsFile(bar, out / METRICS_FILE)
     tracker = None
     if backends := switched_on(spec):  # each into its folder under out, MLflow into a local store there
@@ -118,7 +119,8 @@ def positive_int(text: str) -> int:
 
 def cmd_train(args: argparse.Namespace) -> None:
     quiet_transformers()
-    train(parse_spec(read_spec(args.spec), str(args.spec)), args.out, restart=args.restart)
+    vllm = VllmSettings(python=args.vllm_python, url=args.vllm_url) if args.vllm_python or args.vllm_url else None
+    train(parse_spec(read_spec(args.spec), str(args.spec)), args.out, restart=args.restart, vllm=vllm)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -180,6 +182,8 @@ def add_train_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="delete the folder's checkpoints, job.json and spec.json first, and start over",
     )
+    p.add_argument("--vllm-python", help="rollout_engine vllm: the python of an environment with vLLM, to start one")
+    p.add_argument("--vllm-url", help="rollout_engine vllm: or a running vLLM server to sample on")
     p.set_defaults(func=cmd_train)
     return p
 

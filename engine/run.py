@@ -9,7 +9,7 @@ import torch
 from engine.callbacks import Callbacks
 from engine.core.checkpoint import latest_checkpoint
 from engine.core.generate import release_compiled
-from engine.core.loop import JobResult
+from engine.core.loop import JobResult, end_unfinished_runs
 from engine.core.models import pick_device
 from engine.rewards.graders import RewardStopped
 from engine.spec.config import JOB_TYPES, JobSpec
@@ -43,6 +43,7 @@ def run_job(
     except RewardStopped as e:
         return _stopped_in_reward(e, Path(out_dir), callbacks)
     finally:
+        end_unfinished_runs()  # a job that raised: its rollout engine's server stopped, its decoder closed
         release_compiled()  # no compiled function or CUDA graph outlives the job, nor keeps its models alive
 
 

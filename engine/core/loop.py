@@ -3,8 +3,10 @@ from the last checkpoint, and the end of a step (metrics, checkpoint, stop reque
 sft.py, rm.py and ppo_train.py.
 """
 
+import logging
 import math
 import random
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +126,9 @@ def check_finite(name: str, value: float, step: int) -> None:
         raise NonFiniteLossError(f"{name} is {value} at step {step}")
 
 
+log = logging.getLogger(__name__)
+
+
 class Run:
     """One job's bookkeeping: where it resumes, when it checkpoints, how it ends.
 
@@ -149,12 +154,17 @@ class Run:
         self._at_end: list[Callable[[], None]] = []
 
     def at_end(self, action: Callable[[], None]) -> None:
-        """Call ``action`` when the job ends: once :meth:`end_step` or :meth:`halt` gives its result."""
+        """Call ``action`` when the job ends: once :meth:`end_step` or :meth:`halt` gives its result, or, when the
+        job raises, as :func:`engine.run.run_job` returns (:func:`end_unfinished_runs`)."""
+        if not self._at_end:
+            _unfinished().append(self)
         self._at_end.append(action)
 
     def _end(self) -> None:
         while self._at_end:
             self._at_end.pop()()
+        if self in _unfinished():
+            _unfinished().remove(self)
 
     @classmethod
     def open(
@@ -364,6 +374,29 @@ class Run:
     def eval_due(self, step: int, every: int | None) -> bool:
         """Whether ``step`` evaluates: every ``every`` steps (None: only the last) and at the last."""
         return step == self.total_steps or bool(every and step % every == 0)
+
+
+_runs = threading.local()
+
+
+def _unfinished() -> list[Run]:
+    """This thread's runs with actions still to call at their end."""
+    if not hasattr(_runs, "unfinished"):
+        _runs.unfinished = []
+    runs: list[Run] = _runs.unfinished
+    return runs
+
+
+def end_unfinished_runs() -> None:
+    """Call the end actions of this thread's runs that ended by an exception (a rollout engine's server stopped,
+    a decoder's memory given back), newest first; an action that fails does not keep the others from running."""
+    while _unfinished():
+        run = _unfinished().pop()
+        while run._at_end:
+            try:
+                run._at_end.pop()()
+            except Exception:
+                log.exception("an end action of a job that failed raised")
 
 
 @dataclass

@@ -19,6 +19,7 @@ stops answering is :class:`RolloutEngineLost`: the attempt is lost, the job resu
 
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import time
@@ -76,16 +77,17 @@ class VllmServer:
         if lora_rank is not None:
             rank = next((r for r in LORA_RANKS if r >= lora_rank), lora_rank)
             command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-               "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU server
-        for name in ("PYTHONPATH", "VIRTUAL_ENV"):  # the trainer's environment is not vLLM's
-            env.pop(name, None)
+        # the worker's environment, less the trainer's python paths (vLLM's is another), plus what vLLM needs: its
+        # weight-reload endpoint (dev mode: on loopback only), adapters loaded at run time, and no hub
+        settings = ["VLLM_SERVER_DEV_MODE=1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True", "HF_HUB_OFFLINE=1",
+                    "TOKENIZERS_PARALLELISM=false"]  # fmt: skip
+        if not torch.cuda.is_available():
+            settings.append("VLLM_CPU_KVCACHE_SPACE=1")  # GiB of KV cache on a CPU server
+        command = ["env", "-u", "PYTHONPATH", "-u", "VIRTUAL_ENV", *settings, *command]
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)  # fmt: skip
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -112,13 +114,26 @@ class VllmServer:
             return "(no log)"
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, 15)
+        """Stop the server's whole process group (its engine processes too, which outlive an API process that
+        died), SIGTERM first, then SIGKILL what is left after 30 s."""
+        for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
             try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, 9)
-                self.process.wait()
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break  # the group is gone
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(self.process.pid):
+                self.process.poll()  # reaps the API process once it exits
+                time.sleep(0.2)
+        self.process.poll()
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 class VllmSampler:

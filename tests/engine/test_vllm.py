@@ -3,6 +3,9 @@ environment tests.vllm_server names: samples come from the server, the weights s
 (full weights by reload, LoRA adapters by loading), the sync check holds step after step, and a sync the test
 hook skips is caught. The learning result on the digits task is in test_grpo_train.py."""
 
+import os
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +13,11 @@ import pytest
 from safetensors.torch import load_file
 
 from engine.callbacks import VllmSettings
-from engine.core.vllm import RolloutEngineError, RolloutOutOfSyncError, VllmServer
+from engine.core.vllm import RolloutEngineError, RolloutEngineLost, RolloutOutOfSyncError, VllmServer
 from engine.spec.config import JobSpec
 from jobs.runner import error_code
-from tests.engine.helpers import train
+from tests.engine.helpers import make_spec, train
+from tests.engine.test_distill import distill_spec
 from tests.models import build_model
 from tests.recorder import Recorder
 from tests.vllm_server import completions_served, vllm_python
@@ -65,23 +69,59 @@ def test_a_skipped_sync_is_caught_and_the_checkpoints_are_kept(tiny_vllm: VllmSe
     assert all(rec.metrics[s]["rollout/sync_gap"] < 1e-3 for s in (1, 2))
 
 
-def test_lora_adapters_load_under_a_new_name_each_step_on_a_server_the_job_starts(tmp_path: Path) -> None:
+class KillsTheServer(Recorder):
+    """Kills the job's own vLLM server (SIGKILL, the API process) once step ``after`` is reported."""
+
+    def __init__(self, after: int, base: Path) -> None:
+        super().__init__(vllm=VllmSettings(python=vllm_python()))
+        self.after, self.base = after, base
+
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        super().on_metrics(step, metrics)
+        if step == self.after:
+            subprocess.run(["pkill", "-9", "-f", f"api_server --model {self.base}"], check=True)
+
+
+def test_lora_adapters_load_under_a_new_name_each_step_and_a_dead_server_loses_the_attempt(tmp_path: Path) -> None:
     """A tiny Llama (2 heads of 32: vLLM's CPU attention refuses heads of 16) with LoRA r=8, on a server the
-    job starts from the vLLM environment and stops at its end."""
+    job starts from the vLLM environment; killed after step 2, it is a lost attempt (the job resumes from its
+    checkpoint: jobs/runner.py, tests/jobs/test_runner.py), and the job stops what is left of it."""
     model = build_model("llama", tmp_path / "llama", config={"num_attention_heads": 2, "num_key_value_heads": 2})
-    spec = spec_of(str(model), total_steps=2)
-    spec = JobSpec.model_validate({**spec.model_dump(), "lora": {"r": 8}})
-    result, rec = train(spec, tmp_path / "job", Recorder(vllm=VllmSettings(python=vllm_python())))
-    assert (result.status, result.step) == ("succeeded", 2)
-    assert all(rec.metrics[s]["rollout/sync_gap"] < 1e-3 for s in (1, 2))
+    spec = JobSpec.model_validate({**spec_of(str(model)).model_dump(), "lora": {"r": 8}})
     rollout = tmp_path / "job" / "rollout"
+    rec = KillsTheServer(after=2, base=rollout / "base")
+    with pytest.raises(RolloutEngineLost, match="is gone") as caught:
+        train(spec, tmp_path / "job", rec)
+    assert error_code(caught.value) == "internal_error"  # never a job's failure: the runner requeues it
+    assert sorted(rec.metrics) == [1, 2] and rec.checkpoint_steps() == [1, 2]
+    assert all(rec.metrics[s]["rollout/sync_gap"] < 1e-3 for s in (1, 2))
     log = (rollout / "vllm.log").read_text(errors="replace")
     assert log.count('"POST /v1/load_lora_adapter HTTP/1.1" 200') == 2  # one adapter per version
     assert log.count('"POST /v1/unload_lora_adapter HTTP/1.1" 200') == 1  # the old one unloaded
-    assert sorted(p.name.rsplit("-", 1)[1] for p in (rollout / "adapters").iterdir()) == ["v1", "v2"]
+    assert sorted(p.name.rsplit("-", 1)[1] for p in (rollout / "adapters").iterdir()) == ["v1", "v2", "v3"]
     assert not (rollout / "weights").exists()  # the base weights stay the server's: adapters alone move
     v1, v2 = (load_file(next((rollout / "adapters").glob(f"*-v{v}")) / "adapter_model.safetensors") for v in (1, 2))
     assert any((v1[name] != weight).any() for name, weight in v2.items())  # the second sync moved the adapters
+    group = int(re.search(r"APIServer pid=(\d+)", log).group(1))  # type: ignore[union-attr]
+    with pytest.raises(ProcessLookupError):  # the failed job's end stopped the server's other processes too
+        os.killpg(group, 0)
+
+
+@pytest.mark.parametrize("job_type", ["ppo", "distill"])
+def test_ppo_and_distillation_sample_on_vllm_too(
+    job_type: str, tiny_vllm: VllmServer, digits_sft: Path, tmp_path: Path
+) -> None:
+    hyperparameters = {"total_steps": 2, "rollout_engine": "vllm"}
+    if job_type == "ppo":
+        spec = make_spec("ppo", reward=SIMILARITY, hyperparameters=hyperparameters)
+    else:  # the tiny model learning from the digits SFT model, which shares its tokenizer
+        spec = distill_spec(digits_sft, hyperparameters=hyperparameters)
+    served = completions_served(tiny_vllm)
+    result, rec = train(spec, tmp_path / "job", Recorder(vllm=VllmSettings(url=tiny_vllm.url)))
+    assert (result.status, result.step) == ("succeeded", 2)
+    assert all(rec.metrics[s]["rollout/sync_gap"] < 1e-3 for s in (1, 2))
+    assert all(rec.metrics[s]["rollout/logprob_gap"] < 1e-3 for s in (1, 2))
+    assert completions_served(tiny_vllm) - served == 2 * (8 + 1)  # 8 prompts a step and the probe
 
 
 def test_a_vllm_job_without_vllm_fails_with_a_clear_error(tmp_path: Path) -> None:

@@ -46,8 +46,8 @@ from jobs.store.models import File, Job
 from tests.api.helpers import PPO_SPEC, RM_SPEC, SFT_SPEC, Db
 from tests.factories import make_settings, new_project
 
-MAX_EXAMPLES = 100
-"""Generated requests per operation (and per generation mode); the whole run stays well under 2 minutes."""
+MAX_EXAMPLES = 60
+"""Generated requests per operation (and per generation mode): 60 (from 100) keeps the run near a minute on two cores."""
 
 STATEFUL_EXAMPLES = 50
 """Scenarios of the stateful test, up to 10 linked calls each."""
