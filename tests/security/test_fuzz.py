@@ -47,7 +47,7 @@ from tests.api.helpers import PPO_SPEC, RM_SPEC, SFT_SPEC, Db
 from tests.factories import make_settings, new_project
 
 MAX_EXAMPLES = 60
-"""Generated requests per operation (and per generation mode): 60 (from 100) keeps the run near a minute on two cores."""
+"""Generated requests per operation (and per generation mode): 60 (was 100) keeps the run near a minute on 2 cores."""
 
 STATEFUL_EXAMPLES = 50
 """Scenarios of the stateful test, up to 10 linked calls each."""
