@@ -157,8 +157,11 @@ class DbCallbacks(Callbacks):
     def __init__(self, job_id: str, *, settings: Settings, worker: str, out_dir: Path) -> None:
         self.job_id = job_id
         self.judges = settings.judges
-        self.vllm_python, self.vllm_url = settings.vllm_python, settings.vllm_url
-        self.vllm_start_timeout = settings.vllm_start_timeout_seconds
+        self.vllm_settings = None
+        """The vLLM this worker offers its jobs (``RLHF_VLLM_URL``, else ``RLHF_VLLM_PYTHON``), or None."""
+        if settings.vllm_url is not None or settings.vllm_python is not None:
+            self.vllm_settings = VllmSettings(python=settings.vllm_python, url=settings.vllm_url,
+                                              start_timeout=settings.vllm_start_timeout_seconds)  # fmt: skip
         self.worker = worker
         self.url = settings.resolved_database_url
         self.lease_seconds = settings.lease_seconds
@@ -221,10 +224,7 @@ class DbCallbacks(Callbacks):
         return setting.endpoint(model) if setting is not None else None
 
     def vllm(self) -> VllmSettings | None:
-        """This worker's vLLM (``RLHF_VLLM_URL``, else ``RLHF_VLLM_PYTHON``); None without either."""
-        if self.vllm_url is None and self.vllm_python is None:
-            return None
-        return VllmSettings(python=self.vllm_python, url=self.vllm_url, start_timeout=self.vllm_start_timeout)
+        return self.vllm_settings
 
     def should_stop(self) -> StopRequest | None:
         if time.monotonic() - self.status_at > STATUS_MAX_AGE_S:

@@ -238,11 +238,11 @@ class VllmSampler:
         """Push the policy's weights (after ``updates`` optimizer steps), then check vLLM samples from them."""
         t0 = time.perf_counter()
         if updates != self.skip_sync_at:
-            if self.synced is None and (self.server is None or not self.lora):
-                self._reload(self._base_folder() if self.lora else self._weights_folder())
-            elif not self.lora:
+            if not self.lora:
                 self._reload(self._weights_folder())
-            if self.lora:
+            else:
+                if self.synced is None and self.server is None:  # an operator's server: another job's weights
+                    self._reload(self.folder / "base")
                 self._load_adapter()
             self._request("POST", "/reset_prefix_cache")  # cached prompts' keys and values are the old weights'
         self.synced = updates
@@ -267,9 +267,6 @@ class VllmSampler:
         save_file(state, str(partial), metadata={"format": "pt"})
         partial.replace(folder / "model.safetensors")
         return folder
-
-    def _base_folder(self) -> Path:
-        return self.folder / "base"
 
     def _reload(self, folder: Path) -> None:
         self._request("POST", "/collective_rpc", {"method": "reload_weights",
