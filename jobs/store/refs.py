@@ -15,7 +15,10 @@ What a spec may name on the server:
   ``rlhf train`` reads are refused: the server reads no file a client names.
 """
 
+import contextlib
+import difflib
 import functools
+import itertools
 import json
 import re
 from collections.abc import Collection, Sequence
@@ -366,7 +369,7 @@ def _model(
     if match is None:
         # A name that exists under the model root is that folder, even one shaped like a hub id.
         if is_hub_id(ref) and not (model_root is not None and (model_root.resolve() / ref).exists()):
-            return _hub_model(param, ref, hub_downloads)
+            return _hub_model(param, ref, hub_downloads, model_root)
         return _local_path(param, ref, model_root)
     job_id, step = match.group(1), match.group(2)
     job = crud.get_job(session, job_id=job_id, project_id=project_id)
@@ -410,8 +413,10 @@ def dependencies(spec: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(ids))
 
 
-def _hub_model(param: str, ref: str, hub_downloads: bool) -> str:
-    """A hub id the workers can load: they may download it, or it is in the Hugging Face cache (HF_HOME)."""
+def _hub_model(param: str, ref: str, hub_downloads: bool, model_root: Path | None = None) -> str:
+    """A hub id the workers can load: they may download it, or it is in the Hugging Face cache (HF_HOME). Refused,
+    the message first says that no folder of that name is under the model root (when there is one), and names the
+    folders there nearest to it: a misspelt folder looks like a hub id."""
     if hub_downloads:
         return ref
     try:
@@ -420,10 +425,11 @@ def _hub_model(param: str, ref: str, hub_downloads: bool) -> str:
         cached = None
     if isinstance(cached, str):
         return ref
+    folder = f"no folder {ref!r} under the model root{_nearest(model_root, ref)}, and " if model_root else ""
     raise SpecReferenceError(
         param,
         "hub_model_unavailable",
-        f"{ref!r} is a Hugging Face hub id that is not in this server's cache, and its workers do not download "
+        f"{folder}{ref!r} is a Hugging Face hub id that is not in this server's cache, and its workers do not download "
         "models (they run with HF_HUB_OFFLINE=1): put the model in the cache the workers share (HF_HOME) or in a "
         "folder under the model root (RLHF_MODEL_ROOT), or set RLHF_HUB_DOWNLOADS=true where the workers have a "
         "network",
@@ -446,8 +452,43 @@ def _local_path(param: str, ref: str, model_root: Path | None) -> str:
     if not path.is_relative_to(root):
         raise SpecReferenceError(param, "local_path_refused", f"{ref!r} is outside the model root")
     if not path.exists():
-        raise SpecReferenceError(param, "model_not_found", f"{ref!r}: no such folder under the model root")
+        raise SpecReferenceError(
+            param, "model_not_found", f"{ref!r}: no such folder under the model root{_nearest(model_root, ref)}"
+        )
     return str(path)  # whether a model is in it is for the worker to find out (model_not_found)
+
+
+def _folders(folder: Path, limit: int) -> list[str]:
+    """The names of the folders in ``folder`` (hidden ones left out), of its first ``limit`` entries."""
+    names = []
+    with contextlib.suppress(OSError):
+        for entry in itertools.islice(folder.iterdir(), limit):
+            if not entry.name.startswith(".") and entry.is_dir():
+                names.append(entry.name)
+    return names
+
+
+NEAREST_SCANNED = 2000
+"""Entries of the model root (and of the folder a missing ``org/name`` names first) looked at for the folders nearest
+a missing one."""
+
+
+def _nearest(model_root: Path, ref: str) -> str:
+    """`` (the nearest there: 'a', 'b')`` for the folders under ``model_root`` (for ``org/name``, also those in its
+    ``org``) whose names are closest to the missing ``ref`` (difflib's ratio of at least 0.6, any case); empty when
+    none is."""
+    root = model_root.resolve()
+    try:
+        wanted = Path(ref).resolve().relative_to(root).as_posix() if Path(ref).is_absolute() else ref.strip("./")
+    except (OSError, RuntimeError, ValueError):
+        return ""
+    names = _folders(root, NEAREST_SCANNED)
+    head = wanted.split("/")[0]
+    if "/" in wanted and head in names and (root / head).resolve().is_relative_to(root):
+        names += [f"{head}/{name}" for name in _folders(root / head, NEAREST_SCANNED)]
+    by_lower = {name.lower(): name for name in names}
+    nearest = [by_lower[name] for name in difflib.get_close_matches(wanted.lower(), by_lower, n=3)]
+    return f" (the nearest there: {', '.join(map(repr, nearest))})" if nearest else ""
 
 
 def _dataset(session: Session, project_id: str, param: str, ref: str, kind: str, artifacts: Path) -> tuple[str, bool]:
