@@ -32,6 +32,10 @@ def test_more_processes_than_the_workers_have_are_refused(client: TestClient, ca
     assert calls.enqueued == []
     spec["resources"] = {"num_processes": 8}
     assert client.post("/v1/jobs", json=spec).status_code == 201
+    # Issue 39, item 3.8: the limit first, not the batch of 4 that 16 processes do not divide
+    small = {**SFT_SPEC, "hyperparameters": {"batch_size": 4}, "resources": {"num_processes": 16}}
+    error = error_of(client.post("/v1/jobs", json=small))
+    assert (error["code"], error["param"]) == ("too_many_processes", "resources.num_processes"), error
 
 
 @contextmanager
