@@ -13,7 +13,7 @@ from api.deps import Enqueue
 from api.errors import ApiError, not_found, spec_error
 from api.schemas import looks_like_id
 from engine.spec.config import JobSpec
-from engine.spec.memory import refusal
+from engine.spec.memory import WeightsUnreadable, refusal
 from jobs.recovery import release_once
 from jobs.store import crud
 from jobs.store.models import FINAL_STATUSES, SESSION_TYPE, Job, Project, utcnow
@@ -101,9 +101,19 @@ def _check_fits(
     a GPU of its queue (``RLHF_DEVICE_MEMORY``) as its resources hold them."""
     models = {}
     for field in ("model", "reward_model", "teacher"):
-        if spec.get(field) and (weights := model_weights_of(session, project_id=project.id, ref=spec[field],
-                                                            artifacts=settings.resolved_artifacts_dir,
-                                                            model_root=settings.model_root)):  # fmt: skip
+        if not spec.get(field):
+            continue
+        try:
+            weights = model_weights_of(
+                session,
+                project_id=project.id,
+                ref=spec[field],
+                artifacts=settings.resolved_artifacts_dir,
+                model_root=settings.model_root,
+            )
+        except WeightsUnreadable as e:  # a weight file whose header does not read: the worker could not load it
+            raise ApiError(422, "model_not_found", str(e), param=param_prefix + field) from None
+        if weights is not None:
             models[field] = weights
     if "model" in models and (why := refusal(JobSpec.model_validate(spec), models, device, settings.max_processes)):
         raise ApiError(422, "model_does_not_fit", why, param=param_prefix + "resources")
