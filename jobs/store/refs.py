@@ -21,7 +21,7 @@ import functools
 import itertools
 import json
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from huggingface_hub import try_to_load_from_cache
 from sqlalchemy.orm import Session
 
 from engine.builtin import DATASETS, TINY_CONFIG, TINY_MODEL, TOKENIZER_FILE
-from engine.rewards.graders import check_allowed, parse_grader, replace_models
+from engine.rewards.graders import check_allowed, item_references, missing_item, parse_grader, replace_models
 from engine.spec.auto import auto_hyperparameters, model_width
 from engine.spec.config import GENERATING_TYPES, JOB_TYPES, MODEL_FIELDS, vocabulary_mismatch
 from engine.spec.hub import is_hub_id
@@ -44,7 +44,7 @@ from engine.spec.model_refs import (
     resolve_model_ref,
     tokenizer_saved,
 )
-from engine.spec.rows import dataset_kind
+from engine.spec.rows import dataset_kind, parse_line
 from engine.spec.sequence_classification import SEQUENCE_CLASSIFICATION_TYPES
 from jobs.store import crud
 from jobs.store.models import LIVE_STATUSES, SESSION_TYPE, Job
@@ -94,7 +94,8 @@ class SpecReferenceError(ValueError):
     """``job_not_found``, ``job_not_succeeded``, ``checkpoint_not_found``, ``wrong_job_type``,
     ``file_not_found``, ``wrong_file_purpose``, ``local_path_refused``, ``hub_model_unavailable``,
     ``model_not_found`` (no such folder), ``tokenizer_missing``, ``no_classification_head``,
-    ``chat_template_missing``, ``exceeds_context``, ``reward_not_allowed`` or ``vocabulary_mismatch``."""
+    ``chat_template_missing``, ``exceeds_context``, ``reward_not_allowed``, ``column_not_found`` or
+    ``vocabulary_mismatch``."""
     message: str
 
     def __str__(self) -> str:
@@ -146,6 +147,11 @@ def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], art
             kind = JOB_TYPES[job_type].dataset
             resolved[field], chat = _dataset(session, project_id, field, spec[field], kind, artifacts)
             chat_fields += [(field, spec[field])] if chat else []
+            # the rows each reward reads: the training reward the dataset's, the eval reward (else the training
+            # one) the eval dataset's
+            grader = "reward" if field == "dataset" or not spec.get("eval_reward") else "eval_reward"
+            if spec.get(grader):
+                _check_columns(grader, spec[grader], spec[field], resolved[field], kind)
     ptx = resolved["hyperparameters"].get("ptx_dataset")
     if ptx:
         param = "hyperparameters.ptx_dataset"
@@ -489,6 +495,57 @@ def _nearest(model_root: Path, ref: str) -> str:
     by_lower = {name.lower(): name for name in names}
     nearest = [by_lower[name] for name in difflib.get_close_matches(wanted.lower(), by_lower, n=3)]
     return f" (the nearest there: {', '.join(map(repr, nearest))})" if nearest else ""
+
+
+def _check_columns(field: str, grader: dict[str, Any], ref: str, path: str, kind: str) -> None:
+    """``column_not_found`` naming the template of the reward ``field`` whose ``{{ item.<column> }}`` a row of the
+    dataset ``ref`` (at ``path``, of ``kind``) lacks: the job would fail on it at its first batch."""
+    references = item_references(parse_grader(grader))
+    if not references:
+        return
+    lacking = _rows_lacking(path, kind, tuple(keys for _, keys in references))
+    for (where, keys), found in zip(references, lacking, strict=True):
+        if found is not None:
+            line, missing, columns = found
+            raise SpecReferenceError(
+                f"{field}.{where}",
+                "column_not_found",
+                f"{{{{ item.{'.'.join(keys)} }}}} names a column that line {line} of {ref} lacks: it has no {missing} "
+                f"(its columns: {', '.join(columns)})",
+            )
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_lacking(
+    path: str, kind: str, paths: tuple[tuple[str, ...], ...]
+) -> tuple[tuple[int, str, tuple[str, ...]] | None, ...]:
+    """For each of ``paths`` (an ``item.`` template's keys), the first row of the dataset at ``path`` lacking it, as
+    (its line, the ``item.`` part missing, its columns), or None: every row has it. Read once per file (an uploaded
+    file never changes); a file that does not read is the worker's to report."""
+    found: list[tuple[int, str, tuple[str, ...]] | None] = [None] * len(paths)
+    for line, row in _rows(path, kind):
+        for i, keys in enumerate(paths):
+            if found[i] is None and (missing := missing_item(row, keys)) is not None:
+                found[i] = (line, missing, tuple(row))
+        if all(found):
+            break
+    return tuple(found)
+
+
+def _rows(path: str, kind: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line, row) of a dataset, as the engine reads it (engine.core.data.load_rows: lines split at LF only)."""
+    if path.startswith("builtin:"):
+        name = path.removeprefix("builtin:")
+        yield from enumerate(DATASETS[name][1]() if name in DATASETS else [], start=1)
+        return
+    try:
+        with open(path, "rb") as f:
+            for line, raw in enumerate(f, start=1):
+                text = raw.decode("utf-8").removesuffix("\n").removesuffix("\r")
+                if text.strip():
+                    yield line, parse_line(text, kind, line)
+    except (OSError, ValueError):  # gone, or not rows: the worker fails the job with the reason
+        return
 
 
 def _dataset(session: Session, project_id: str, param: str, ref: str, kind: str, artifacts: Path) -> tuple[str, bool]:
