@@ -23,7 +23,7 @@ from engine.tracking import quiet_environment
 from jobs import client, supervisor
 from jobs.client import KEY_FILE, ClientError
 from jobs.store import bootstrap
-from jobs.store.settings import get_settings
+from jobs.store.settings import InvalidSettings, get_settings
 
 # --- server ------------------------------------------------------------------------------------
 
@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         engine_cli.run_command(args)
     except ClientError as e:
         raise SystemExit(f"error: {e}") from None
+    except InvalidSettings as e:  # one line a variable, at every command that reads the settings
+        raise SystemExit("\n".join(f"error: {line}" for line in e.lines)) from None
 
 
 if __name__ == "__main__":

@@ -208,19 +208,23 @@ class ChunkReader:
 
 
 class UnsafeArchiveError(ValueError):
-    """A model archive holding what a model folder never holds: a link, a device, a path out of its folder."""
+    """A model archive holding what a model folder never holds: a link, a device, a sparse file, a path out of its
+    folder."""
 
 
 def unpack_model(fileobj: Any, folder: Path) -> None:
     """Unpack a model archive (a tar of one top folder, read as a stream from ``fileobj``) into ``folder``, without
-    its top folder. Only regular files and folders, at relative paths without ``..``, inside that one top folder are
-    taken; anything else raises :class:`UnsafeArchiveError` (tarfile's ``data`` filter checks again after)."""
+    its top folder. Only regular files (not sparse ones) and folders, at relative paths without ``..``, inside that
+    one top folder are taken; anything else raises :class:`UnsafeArchiveError` (tarfile's ``data`` filter checks
+    again after)."""
     top: list[str] = []
 
     def inside_top(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:
         parts = PurePosixPath(member.name).parts
         if not (member.isfile() or member.isdir()) or member.name.startswith("/") or ".." in parts or not parts:
             raise UnsafeArchiveError(f"the archive holds {member.name!r}, which a model folder never holds")
+        if member.issparse():  # GNU or PAX sparse: a few bytes that unpack to any size (a file of holes)
+            raise UnsafeArchiveError(f"the archive's {member.name!r} is a sparse file, which a model archive never is")
         top[:] = top or [parts[0]]
         if parts[0] != top[0] or (len(parts) == 1 and not member.isdir()):
             raise UnsafeArchiveError(f"the archive's {member.name!r} is outside its one top folder {top[0]!r}")

@@ -482,7 +482,11 @@ def _train(job_id: str, settings: Settings, out_dir: Path, callbacks: DbCallback
     if processes > (available := processors()):
         where = f"{available} GPUs" if torch.cuda.is_available() else f"{available} CPU cores"
         return _failure("invalid_spec", f"resources.num_processes is {processes}, and this worker has {where}")
-    if (why := _does_not_fit(spec, settings)) is not None:  # before the models load: at once, with the figures
+    try:
+        why = _does_not_fit(spec, settings)
+    except ModelNotFoundError as e:  # a weight file whose header does not read (engine.spec.memory)
+        return _failure("model_not_found", str(e))
+    if why is not None:  # before the models load: at once, with the figures
         return _failure("model_does_not_fit", why)
     attempt = in_transaction(settings.resolved_database_url, lambda s: _attempt(s, job_id))
     hosts = _hosts(job_id, attempt, spec, settings) if spec.resources.num_nodes > 1 else None

@@ -13,7 +13,7 @@ from api.deps import Enqueue
 from api.errors import ApiError, not_found, spec_error
 from api.schemas import looks_like_id
 from engine.spec.config import JobSpec
-from engine.spec.memory import refusal
+from engine.spec.memory import WeightsUnreadable, refusal
 from jobs.recovery import release_once
 from jobs.store import crud
 from jobs.store.models import FINAL_STATUSES, SESSION_TYPE, Job, Project, utcnow
@@ -41,6 +41,7 @@ def validated_spec(
     the epochs or steps and the learning rate it leaves out chosen "auto" from its dataset's rows and its model's
     width, engine/spec/auto.py) and the unfinished jobs it names; a 422 naming the field (after ``param_prefix``) when
     it is refused."""
+    _check_processes(settings, body, param_prefix)  # first: the other checks' messages assume a count it can run
     try:
         spec = JobSpec.model_validate(body).model_dump(mode="json")
     except ValidationError as e:
@@ -75,16 +76,22 @@ def validated_spec(
         spec["hyperparameters"] = JobSpec.model_validate(
             {**body, "hyperparameters": {**given, **chosen}}
         ).hyperparameters
-    processes = spec["resources"]["num_processes"]
-    if processes > settings.max_processes:
+    if (device := settings.device_memory.get(spec["resources"]["queue"])) is not None:
+        _check_fits(session, settings, project, spec, int(device), param_prefix)
+    return spec, pending
+
+
+def _check_processes(settings: Settings, body: dict[str, Any], param_prefix: str) -> None:
+    """422 ``too_many_processes`` when the spec asks for more processes than this server's workers train a job in:
+    checked on the body, before the rules that depend on the count (a batch it divides)."""
+    resources = body.get("resources")
+    processes = resources.get("num_processes") if isinstance(resources, dict) else None
+    if type(processes) is int and processes > settings.max_processes:  # other values: the schema's to refuse
         message = (
             f"{processes} processes asked; this server's workers train a job in at most "
             f"{settings.max_processes} (RLHF_MAX_PROCESSES)"
         )
         raise ApiError(422, "too_many_processes", message, param=param_prefix + "resources.num_processes")
-    if (device := settings.device_memory.get(spec["resources"]["queue"])) is not None:
-        _check_fits(session, settings, project, spec, int(device), param_prefix)
-    return spec, pending
 
 
 def _check_fits(
@@ -94,9 +101,19 @@ def _check_fits(
     a GPU of its queue (``RLHF_DEVICE_MEMORY``) as its resources hold them."""
     models = {}
     for field in ("model", "reward_model", "teacher"):
-        if spec.get(field) and (weights := model_weights_of(session, project_id=project.id, ref=spec[field],
-                                                            artifacts=settings.resolved_artifacts_dir,
-                                                            model_root=settings.model_root)):  # fmt: skip
+        if not spec.get(field):
+            continue
+        try:
+            weights = model_weights_of(
+                session,
+                project_id=project.id,
+                ref=spec[field],
+                artifacts=settings.resolved_artifacts_dir,
+                model_root=settings.model_root,
+            )
+        except WeightsUnreadable as e:  # a weight file whose header does not read: the worker could not load it
+            raise ApiError(422, "model_not_found", str(e), param=param_prefix + field) from None
+        if weights is not None:
             models[field] = weights
     if "model" in models and (why := refusal(JobSpec.model_validate(spec), models, device, settings.max_processes)):
         raise ApiError(422, "model_does_not_fit", why, param=param_prefix + "resources")

@@ -127,13 +127,12 @@ def _render(template: str, grader: str, completion: str, row: Mapping[str, Any])
 
 
 def _item_value(row: Mapping[str, Any], keys: list[str], grader: str) -> str:
+    if (missing := missing_item(row, keys)) is not None:
+        raise RewardVariableError(
+            f"grader {grader!r}: the dataset row has no {missing} (its columns: {', '.join(row)})"
+        )
     value: Any = row
-    for depth, key in enumerate(keys):
-        if not isinstance(value, Mapping) or key not in value:
-            missing = "item." + ".".join(keys[: depth + 1])
-            raise RewardVariableError(
-                f"grader {grader!r}: the dataset row has no {missing} (its columns: {', '.join(row)})"
-            )
+    for key in keys:
         value = value[key]
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
@@ -570,6 +569,55 @@ def iter_graders(grader: Grader) -> Iterator[tuple[str, Grader]]:
 def model_refs(grader: Grader) -> list[str]:
     """The model references of the model graders, for the service to resolve."""
     return [sub.model for _, sub in iter_graders(grader) if isinstance(sub, ModelGrader)]
+
+
+def item_references(grader: Grader) -> list[tuple[str, tuple[str, ...]]]:
+    """``(where, keys)`` of each ``{{ item.<column>[.<key>...] }}`` in the templates of ``grader`` and of its
+    components: ``where`` the template's path inside the grader (``graders.exact.reference``), ``keys`` the column
+    and the keys inside it. The dataset columns the grader reads, for the service to check a dataset's rows against
+    at submit (python graders read the row in their own code: not told here)."""
+    found: list[tuple[str, tuple[str, ...]]] = []
+
+    def walk(sub: _AnyGrader, prefix: str) -> None:
+        if isinstance(sub, MultiGrader):
+            for key, component in sub.graders.items():
+                walk(component, f"{prefix}graders.{key}.")
+            return
+        for where, template in _templates(sub):
+            for match in _PLACEHOLDER.finditer(template):
+                if match.group(1).startswith("item."):
+                    found.append((prefix + where, tuple(match.group(1).split(".")[1:])))
+
+    walk(grader, "")
+    return found
+
+
+def _templates(grader: _AnyGrader) -> list[tuple[str, str]]:
+    """(field path, text) of a leaf grader's templates."""
+    if isinstance(grader, StringCheckGrader | TextSimilarityGrader):
+        return [("input", grader.input), ("reference", grader.reference)]
+    if isinstance(grader, HttpGrader):
+        return [("label", grader.label)] if grader.label is not None else []
+    if isinstance(grader, _JudgeGrader):
+        texts = []
+        for i, message in enumerate(grader.input):
+            if isinstance(message.content, str):
+                texts.append((f"input.{i}.content", message.content))
+            else:
+                texts += [(f"input.{i}.content.{j}.text", part.text) for j, part in enumerate(message.content)]
+        return texts
+    return []
+
+
+def missing_item(row: Mapping[str, Any], keys: Sequence[str]) -> str | None:
+    """``item.<column>[.<key>...]`` as far as ``row`` lacks it (what rendering the template would fail on), or None
+    when the row holds it."""
+    value: Any = row
+    for depth, key in enumerate(keys):
+        if not isinstance(value, Mapping) or key not in value:
+            return "item." + ".".join(keys[: depth + 1])
+        value = value[key]
+    return None
 
 
 def replace_models(data: dict[str, Any], replace: Callable[[str, str], str], param: str) -> dict[str, Any]:

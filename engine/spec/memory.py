@@ -19,6 +19,8 @@ shards in host memory between uses: on the device, only what a block gathers as 
 """
 
 import json
+import os
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from typing import Any
 
 from engine.builtin import TINY_CONFIG, TOKENIZER_FILE
 from engine.spec.config import JOB_TYPES, JobSpec
+from engine.spec.model_refs import ModelNotFoundError
 
 HEADROOM = 0.15
 """The share of a device's memory a plan leaves for activations, the blocks FSDP gathers, the CUDA context and
@@ -38,16 +41,36 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
                 "c_fc", "fc1", "fc2", "out_proj", "w1", "w2", "w3")  # fmt: skip
 """The transformer blocks' linear layers across architectures: LoRA's ``target_modules: "auto"`` adapts these."""
 GIB = 1024**3
+BLOCK = re.compile(r"^(.*?\.\d+)\.")
+"""A tensor's block: its name up to its first number (``model.layers.3``, ``transformer.h.0``), a unit of FSDP."""
+MAX_HEADER_BYTES = 100_000_000
+"""The longest safetensors header read: safetensors' own limit (``MAX_HEADER_SIZE``, safetensors
+``safetensors/src/tensor.rs``), past which it refuses the file too."""
+
+
+class WeightsUnreadable(ModelNotFoundError):
+    """A ``*.safetensors`` file whose header does not read as one (a length past the limit or the file, not JSON, a
+    tensor without a shape): the message names the file."""
 
 
 @dataclass(frozen=True)
 class Weights:
     """What a model's weight files hold: its parameter count, that of its LM head stored apart (0 when tied to the
-    embeddings), and the (name, input, output) of each linear layer inside its blocks (for LoRA's adapters)."""
+    embeddings), the (name, input, output) of each linear layer inside its blocks (for LoRA's adapters), and the
+    parameters of its largest FSDP unit."""
 
     params: int
     lm_head: int = 0
     linears: tuple[tuple[str, int, int], ...] = ()
+    largest_unit: int | None = None
+    """The parameters of the largest part FSDP shards as one unit (engine/core/distributed.py: each transformer
+    block, and the root: the rest, embeddings and head among them), which a rank gathers whole to compute; None
+    when not known: the whole model counts."""
+
+    @property
+    def unit(self) -> int:
+        """:attr:`largest_unit`, or the whole model when it is not known."""
+        return self.params if self.largest_unit is None else self.largest_unit
 
     @property
     def backbone(self) -> int:
@@ -61,34 +84,67 @@ class Weights:
 
 
 def read_weights(folder: Path) -> Weights | None:
-    """The :class:`Weights` of a model folder's ``*.safetensors`` files, from their headers; None without them."""
+    """The :class:`Weights` of a model folder's ``*.safetensors`` files, from their headers; None without them.
+    :class:`WeightsUnreadable` names a file whose header does not read."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return None
     params = lm_head = 0
     linears = []
+    blocks: dict[str, int] = {}  # a block's name (``model.layers.3``) → its parameters
     for name, shape in _tensors(files):
         count = 1
         for size in shape:
             count *= size
         params += count
+        if block := BLOCK.match(name):
+            blocks[block.group(1)] = blocks.get(block.group(1), 0) + count
         if name.startswith("lm_head.") or name.endswith(".lm_head.weight") or name == "embed_out.weight":
             lm_head += count
         module, _, kind = name.rpartition(".")
         if kind == "weight" and len(shape) == 2 and module.rsplit(".", 1)[-1] in LINEAR_NAMES:
             out_features, in_features = shape  # torch's Linear stores (out, in); GPT-2's Conv1D (in, out): a sum
             linears.append((module, in_features, out_features))
-    return Weights(params, lm_head, tuple(linears))
+    root = params - sum(blocks.values())
+    return Weights(params, lm_head, tuple(linears), largest_unit=max([root, *blocks.values()]))
 
 
 def _tensors(files: list[Path]) -> Iterator[tuple[str, list[int]]]:
     for file in files:
-        with file.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header: dict[str, Any] = json.loads(f.read(length))
-        for name, info in header.items():
-            if name != "__metadata__":
-                yield name, info["shape"]
+        for name, info in _header(file).items():
+            if name == "__metadata__":
+                continue
+            shape = info.get("shape") if isinstance(info, dict) else None
+            if not (isinstance(shape, list) and all(type(size) is int and size >= 0 for size in shape)):
+                raise WeightsUnreadable(f"{_named(file)}: tensor {name[:100]!r} has no shape of sizes")
+            yield name, shape
+
+
+def _header(file: Path) -> dict[str, Any]:
+    """A safetensors file's header (8 bytes of its length, little-endian, then that much JSON), read no further than
+    :data:`MAX_HEADER_BYTES` and the file's own size."""
+    with file.open("rb") as f:
+        start = f.read(8)
+        size = os.fstat(f.fileno()).st_size
+        (length,) = struct.unpack("<Q", start) if len(start) == 8 else (None,)
+        if length is None or length > min(MAX_HEADER_BYTES, size - 8):
+            declared = "no header length" if length is None else f"a header of {length:,} bytes"
+            raise WeightsUnreadable(
+                f"{_named(file)} is not a safetensors file: it declares {declared}, in a file of {size:,} bytes "
+                f"(safetensors reads at most {MAX_HEADER_BYTES:,})"
+            )
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deeply
+            header = None
+    if not isinstance(header, dict):
+        raise WeightsUnreadable(f"{_named(file)} is not a safetensors file: its header is not a JSON object")
+    return header
+
+
+def _named(file: Path) -> str:
+    """A weight file as a message names it: its folder's name and its own."""
+    return f"{file.parent.name}/{file.name}"
 
 
 def builtin_weights() -> Weights:
@@ -108,7 +164,8 @@ def gpt2_weights(config: dict[str, Any], vocab_size: int) -> Weights:
         for name, fan_in, fan_out in (("attn.c_attn", h, 3 * h), ("attn.c_proj", h, h), ("mlp.c_fc", h, inner),
                                       ("mlp.c_proj", inner, h))
     )  # fmt: skip
-    return Weights(vocab_size * h + positions * h + layers * block + 2 * h, 0, linears)
+    root = vocab_size * h + positions * h + 2 * h  # embeddings (the head tied to them) and the final norm
+    return Weights(root + layers * block, 0, linears, largest_unit=max(root, block))
 
 
 @dataclass(frozen=True)
@@ -121,17 +178,22 @@ class Plan:
     world_size: int
     layout: str
     """How the models are held, in words (``ddp``, ``fsdp over 4 ranks``, ``fsdp over 4 ranks, cpu offload``)."""
+    gathered: int = 0
+    """Under ``cpu_offload``, the bytes of the largest unit a rank gathers whole on its device to compute (its
+    weights and, trained, its gradients), which the state kept on the host leaves the device to hold."""
 
     @property
     def total(self) -> int:
+        """The state a rank keeps on its device between uses (the engine's ``memory/state_bytes``)."""
         return self.weights + self.gradients + self.optimizer
 
     def fits(self, device_bytes: int) -> bool:
-        return self.total <= (1 - HEADROOM) * device_bytes
+        return self.total + self.gathered <= (1 - HEADROOM) * device_bytes
 
     def describe(self) -> str:
+        gathered = f", and {gib(self.gathered)} gathered from the host at a time" if self.gathered else ""
         return (f"{gib(self.weights)} of weights, {gib(self.gradients)} of gradients and {gib(self.optimizer)} of "
-                f"optimizer state, {gib(self.total)} in all ({self.total:,} bytes)")  # fmt: skip
+                f"optimizer state, {gib(self.total)} in all ({self.total:,} bytes){gathered}")  # fmt: skip
 
 
 def gib(n: int) -> str:
@@ -168,12 +230,17 @@ def plan(spec: JobSpec, models: dict[str, Weights]) -> Plan:
     resources = spec.resources
     n = resources.world_size if resources.sharding == "fsdp" else 1
     layout = "ddp" if n == 1 and resources.world_size > 1 else "one process" if n == 1 else f"fsdp over {n} ranks"
-    if n > 1 and resources.cpu_offload:
-        trained = frozen_sharded = 0  # on the host between uses
-        layout += ", cpu offload"
     b = DTYPE_BYTES[spec.config.dtype]
+    gathered = 0
+    if n > 1 and resources.cpu_offload:
+        trained = frozen_sharded = 0  # on the host between uses, but for the unit a rank computes with
+        layout += ", cpu offload"
+        sharded = [policy, reward if info.critic else None, models.get("teacher") if info.teacher else None]
+        largest = max(m.unit for m in sharded if m is not None)
+        gathered = (2 if lora is None else 1) * b * largest  # its whole weights, and trained as many gradients
     weights = b * (ceil_div(trained + frozen_sharded, n) + frozen_whole)
-    return Plan(weights, b * ceil_div(trained, n), 2 * b * ceil_div(trained, n), resources.world_size, layout)
+    trained_bytes = b * ceil_div(trained, n)
+    return Plan(weights, trained_bytes, 2 * trained_bytes, resources.world_size, layout, gathered=gathered)
 
 
 def ceil_div(a: int, b: int) -> int:

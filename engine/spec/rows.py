@@ -10,7 +10,8 @@ messages, https://huggingface.co/docs/trl/dataset_formats):
 - ``preference``: ``{"prompt": str, "chosen": str, "rejected": str}``; the same with message lists; or only
   ``{"chosen": [...], "rejected": [...]}``, two whole conversations whose common first messages are the prompt
   (plain strings: their common first words).
-- ``prompts``: ``{"prompt": str}`` or ``{"prompt": [...]}`` (rendered with the generation prompt).
+- ``prompts``: ``{"prompt": str}`` or ``{"prompt": [...]}`` (rendered with the generation prompt; messages end
+  before the answer: not with an assistant message).
 
 ``rm`` and ``ppo``, the kinds' names before there were more job types than kinds, stay accepted as aliases.
 
@@ -110,7 +111,7 @@ def validate_row(row: object, kind: str, line: int) -> dict[str, Any]:
     if kind == "preference" and any(field in row for field in DPO_FIELDS):
         return _from_openai_dpo(row, line)
     if kind == "prompts" and "messages" in row and "prompt" not in row:
-        prompt = _messages(row["messages"], line, "messages")
+        prompt = _prompt_messages(row["messages"], line, "messages")
         return {"prompt": prompt, **{k: v for k, v in row.items() if k != "messages"}}
     if kind == "preference" and "prompt" not in row and isinstance(row.get("chosen"), list):
         split_prompt(row, line)  # the implicit-prompt form
@@ -119,6 +120,8 @@ def validate_row(row: object, kind: str, line: int) -> dict[str, Any]:
         return {**row, **_split_text_prompt(row, line)}
     fields = ROW_FIELDS[kind]
     if isinstance(row.get("prompt"), list):  # conversational: every field a list of messages
+        if kind == "prompts":
+            _prompt_messages(row["prompt"], line, "prompt")
         for field in fields:
             _messages(row.get(field), line, field)
         for field in fields[1:]:
@@ -216,6 +219,19 @@ def _from_openai_dpo(row: dict[str, Any], line: int) -> dict[str, Any]:
             raise DatasetError(f"line {line}: field {field!r} must end with an assistant message")
         parts[name] = messages
     return {**parts, **{k: v for k, v in row.items() if k not in DPO_FIELDS}}
+
+
+def _prompt_messages(value: object, line: int, field: str) -> list[Message]:
+    """The messages of a ``prompts`` row: a conversation for the policy to answer, which must not end with the
+    answer (an assistant message): trained on, a policy would read the answer in its prompt."""
+    messages = _messages(value, line, field)
+    if messages[-1]["role"] == "assistant":
+        raise DatasetError(
+            f"line {line}: field {field!r} ends with an assistant message; a prompt is the conversation the policy "
+            "answers, so it must end before the answer (put a reference answer in another column, e.g. "
+            "'reference_answer', for the graders)"
+        )
+    return messages
 
 
 def _messages(value: object, line: int, field: str, weighted: bool = False) -> list[Message]:

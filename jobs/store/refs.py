@@ -15,10 +15,13 @@ What a spec may name on the server:
   ``rlhf train`` reads are refused: the server reads no file a client names.
 """
 
+import contextlib
+import difflib
 import functools
+import itertools
 import json
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,7 @@ from huggingface_hub import try_to_load_from_cache
 from sqlalchemy.orm import Session
 
 from engine.builtin import DATASETS, TINY_CONFIG, TINY_MODEL, TOKENIZER_FILE
-from engine.rewards.graders import check_allowed, parse_grader, replace_models
+from engine.rewards.graders import check_allowed, item_references, missing_item, parse_grader, replace_models
 from engine.spec.auto import auto_hyperparameters, model_width
 from engine.spec.config import GENERATING_TYPES, JOB_TYPES, MODEL_FIELDS, vocabulary_mismatch
 from engine.spec.hub import is_hub_id
@@ -41,7 +44,7 @@ from engine.spec.model_refs import (
     resolve_model_ref,
     tokenizer_saved,
 )
-from engine.spec.rows import dataset_kind
+from engine.spec.rows import dataset_kind, parse_line
 from engine.spec.sequence_classification import SEQUENCE_CLASSIFICATION_TYPES
 from jobs.store import crud
 from jobs.store.models import LIVE_STATUSES, SESSION_TYPE, Job
@@ -91,7 +94,8 @@ class SpecReferenceError(ValueError):
     """``job_not_found``, ``job_not_succeeded``, ``checkpoint_not_found``, ``wrong_job_type``,
     ``file_not_found``, ``wrong_file_purpose``, ``local_path_refused``, ``hub_model_unavailable``,
     ``model_not_found`` (no such folder), ``tokenizer_missing``, ``no_classification_head``,
-    ``chat_template_missing``, ``exceeds_context``, ``reward_not_allowed`` or ``vocabulary_mismatch``."""
+    ``chat_template_missing``, ``exceeds_context``, ``reward_not_allowed``, ``column_not_found`` or
+    ``vocabulary_mismatch``."""
     message: str
 
     def __str__(self) -> str:
@@ -143,6 +147,11 @@ def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], art
             kind = JOB_TYPES[job_type].dataset
             resolved[field], chat = _dataset(session, project_id, field, spec[field], kind, artifacts)
             chat_fields += [(field, spec[field])] if chat else []
+            # the rows each reward reads: the training reward the dataset's, the eval reward (else the training
+            # one) the eval dataset's
+            grader = "reward" if field == "dataset" or not spec.get("eval_reward") else "eval_reward"
+            if spec.get(grader):
+                _check_columns(grader, spec[grader], spec[field], resolved[field], kind)
     ptx = resolved["hyperparameters"].get("ptx_dataset")
     if ptx:
         param = "hyperparameters.ptx_dataset"
@@ -366,7 +375,7 @@ def _model(
     if match is None:
         # A name that exists under the model root is that folder, even one shaped like a hub id.
         if is_hub_id(ref) and not (model_root is not None and (model_root.resolve() / ref).exists()):
-            return _hub_model(param, ref, hub_downloads)
+            return _hub_model(param, ref, hub_downloads, model_root)
         return _local_path(param, ref, model_root)
     job_id, step = match.group(1), match.group(2)
     job = crud.get_job(session, job_id=job_id, project_id=project_id)
@@ -410,8 +419,10 @@ def dependencies(spec: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(ids))
 
 
-def _hub_model(param: str, ref: str, hub_downloads: bool) -> str:
-    """A hub id the workers can load: they may download it, or it is in the Hugging Face cache (HF_HOME)."""
+def _hub_model(param: str, ref: str, hub_downloads: bool, model_root: Path | None = None) -> str:
+    """A hub id the workers can load: they may download it, or it is in the Hugging Face cache (HF_HOME). Refused,
+    the message first says that no folder of that name is under the model root (when there is one), and names the
+    folders there nearest to it: a misspelt folder looks like a hub id."""
     if hub_downloads:
         return ref
     try:
@@ -420,10 +431,11 @@ def _hub_model(param: str, ref: str, hub_downloads: bool) -> str:
         cached = None
     if isinstance(cached, str):
         return ref
+    folder = f"no folder {ref!r} under the model root{_nearest(model_root, ref)}, and " if model_root else ""
     raise SpecReferenceError(
         param,
         "hub_model_unavailable",
-        f"{ref!r} is a Hugging Face hub id that is not in this server's cache, and its workers do not download "
+        f"{folder}{ref!r} is a Hugging Face hub id that is not in this server's cache, and its workers do not download "
         "models (they run with HF_HUB_OFFLINE=1): put the model in the cache the workers share (HF_HOME) or in a "
         "folder under the model root (RLHF_MODEL_ROOT), or set RLHF_HUB_DOWNLOADS=true where the workers have a "
         "network",
@@ -446,8 +458,94 @@ def _local_path(param: str, ref: str, model_root: Path | None) -> str:
     if not path.is_relative_to(root):
         raise SpecReferenceError(param, "local_path_refused", f"{ref!r} is outside the model root")
     if not path.exists():
-        raise SpecReferenceError(param, "model_not_found", f"{ref!r}: no such folder under the model root")
+        raise SpecReferenceError(
+            param, "model_not_found", f"{ref!r}: no such folder under the model root{_nearest(model_root, ref)}"
+        )
     return str(path)  # whether a model is in it is for the worker to find out (model_not_found)
+
+
+def _folders(folder: Path, limit: int) -> list[str]:
+    """The names of the folders in ``folder`` (hidden ones left out), of its first ``limit`` entries."""
+    names = []
+    with contextlib.suppress(OSError):
+        for entry in itertools.islice(folder.iterdir(), limit):
+            if not entry.name.startswith(".") and entry.is_dir():
+                names.append(entry.name)
+    return names
+
+
+NEAREST_SCANNED = 2000
+"""Entries of the model root (and of the folder a missing ``org/name`` names first) looked at for the folders nearest
+a missing one."""
+
+
+def _nearest(model_root: Path, ref: str) -> str:
+    """`` (the nearest there: 'a', 'b')`` for the folders under ``model_root`` (for ``org/name``, also those in its
+    ``org``) whose names are closest to the missing ``ref`` (difflib's ratio of at least 0.6, any case); empty when
+    none is."""
+    root = model_root.resolve()
+    try:
+        wanted = Path(ref).resolve().relative_to(root).as_posix() if Path(ref).is_absolute() else ref.strip("./")
+    except (OSError, RuntimeError, ValueError):
+        return ""
+    names = _folders(root, NEAREST_SCANNED)
+    head = wanted.split("/")[0]
+    if "/" in wanted and head in names and (root / head).resolve().is_relative_to(root):
+        names += [f"{head}/{name}" for name in _folders(root / head, NEAREST_SCANNED)]
+    by_lower = {name.lower(): name for name in names}
+    nearest = [by_lower[name] for name in difflib.get_close_matches(wanted.lower(), by_lower, n=3)]
+    return f" (the nearest there: {', '.join(map(repr, nearest))})" if nearest else ""
+
+
+def _check_columns(field: str, grader: dict[str, Any], ref: str, path: str, kind: str) -> None:
+    """``column_not_found`` naming the template of the reward ``field`` whose ``{{ item.<column> }}`` a row of the
+    dataset ``ref`` (at ``path``, of ``kind``) lacks: the job would fail on it at its first batch."""
+    references = item_references(parse_grader(grader))
+    if not references:
+        return
+    lacking = _rows_lacking(path, kind, tuple(keys for _, keys in references))
+    for (where, keys), found in zip(references, lacking, strict=True):
+        if found is not None:
+            line, missing, columns = found
+            raise SpecReferenceError(
+                f"{field}.{where}",
+                "column_not_found",
+                f"{{{{ item.{'.'.join(keys)} }}}} names a column that line {line} of {ref} lacks: it has no {missing} "
+                f"(its columns: {', '.join(columns)})",
+            )
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_lacking(
+    path: str, kind: str, paths: tuple[tuple[str, ...], ...]
+) -> tuple[tuple[int, str, tuple[str, ...]] | None, ...]:
+    """For each of ``paths`` (an ``item.`` template's keys), the first row of the dataset at ``path`` lacking it, as
+    (its line, the ``item.`` part missing, its columns), or None: every row has it. Read once per file (an uploaded
+    file never changes); a file that does not read is the worker's to report."""
+    found: list[tuple[int, str, tuple[str, ...]] | None] = [None] * len(paths)
+    for line, row in _rows(path, kind):
+        for i, keys in enumerate(paths):
+            if found[i] is None and (missing := missing_item(row, keys)) is not None:
+                found[i] = (line, missing, tuple(row))
+        if all(found):
+            break
+    return tuple(found)
+
+
+def _rows(path: str, kind: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line, row) of a dataset, as the engine reads it (engine.core.data.load_rows: lines split at LF only)."""
+    if path.startswith("builtin:"):
+        name = path.removeprefix("builtin:")
+        yield from enumerate(DATASETS[name][1]() if name in DATASETS else [], start=1)
+        return
+    try:
+        with open(path, "rb") as f:
+            for line, raw in enumerate(f, start=1):
+                text = raw.decode("utf-8").removesuffix("\n").removesuffix("\r")
+                if text.strip():
+                    yield line, parse_line(text, kind, line)
+    except (OSError, ValueError):  # gone, or not rows: the worker fails the job with the reason
+        return
 
 
 def _dataset(session: Session, project_id: str, param: str, ref: str, kind: str, artifacts: Path) -> tuple[str, bool]:

@@ -3,13 +3,15 @@
 The engine never reads it: workers pass what it needs as arguments.
 """
 
+import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import SettingsError as SourceError
 
 from engine.rewards.judge import Endpoint
 from engine.spec.config import TrackingBackend
@@ -69,15 +71,15 @@ class Settings(BaseSettings):
     max_processes: int = Field(default=8, ge=1)
     """The most processes one job may train in (``resources.num_processes``), at most the GPUs of the largest
     train worker: a spec asking for more is refused at submit (``too_many_processes``)."""
-    reward_urls: list[str] = []
+    reward_urls: Annotated[list[str], NoDecode] = []
     """The reward services an ``http`` grader may call: URL prefixes such as ``https://rewards.internal/``, or
     ``loopback`` (http or https to 127.0.0.0/8, ::1 or localhost, any port: every service of the workers' own
     machines); none by default. A spec naming another is refused at submit (``reward_not_allowed``), and a worker
     checks again before it runs a job."""
-    reward_functions: list[str] = []
+    reward_functions: Annotated[list[str], NoDecode] = []
     """The ``module:function`` reward functions a ``python`` grader may name (importable on the workers); none by
     default. Others are refused at submit (``reward_not_allowed``). The local ``rlhf train`` allows any."""
-    judges: dict[str, JudgeSetting] = {}
+    judges: Annotated[dict[str, JudgeSetting], NoDecode] = {}
     """The judges ``score_model`` and ``label_model`` graders may name in ``model``, each an OpenAI-compatible
     chat endpoint (this server's own ``/v1``, serving a checkpoint, is one): as JSON in ``RLHF_JUDGES``, e.g.
     ``{"judge-small": {"url": "http://127.0.0.1:8000/v1", "model": "job:job_0123@40", "api_key_env":
@@ -86,7 +88,7 @@ class Settings(BaseSettings):
     """Whether ``python`` graders may give ``source`` (OpenAI's ``grade(sample, item)``), run in a sandbox: a process
     per batch without network or files, under CPU, memory and time limits. Off (``RLHF_SOURCE_GRADERS=false``):
     refused at submit."""
-    tracking: list[TrackingBackend] = []
+    tracking: Annotated[list[TrackingBackend], NoDecode] = []
     """Experiment trackers every job's metrics go to, as if each spec switched them on (``tracking``), e.g.
     ``["tensorboard", "mlflow"]``: ``tensorboard``, ``mlflow``, ``wandb``. The workers need the ``tracking`` extra
     (``pip install 'rlhf-server[tracking]'``); a tracker they cannot use is a warning event, not a failed job."""
@@ -102,11 +104,12 @@ class Settings(BaseSettings):
     """The W&B project of the jobs' runs; one run per job, named by its id."""
     lease_seconds: int = 120
     """How long a training worker's claim on a job lasts without a heartbeat."""
-    device_memory: dict[str, ByteSize] = {}
+    device_memory: Annotated[dict[str, Annotated[ByteSize, Field(gt=0)]], NoDecode] = {}
     """The memory of one GPU of each train queue's workers, as JSON in ``RLHF_DEVICE_MEMORY``, e.g. ``{"train":
     "80GB", "train-h200": "141GB"}``: a job whose models cannot fit its queue's GPUs as its ``resources`` hold them
     is refused at submit (``model_does_not_fit``, with the bytes per rank and the setting that would fit). None
-    declared: the API checks nothing, and a GPU worker checks against its own GPU before it loads the models."""
+    declared: the API checks nothing, and a GPU worker checks against its own GPU before it loads the models. A
+    size of zero or less is refused when the settings are read."""
     max_attempts: int = 3
     """Runs of a job (the first plus retries after a lost worker) before it fails with ``worker_lost``."""
     node_address: str = "127.0.0.1"
@@ -149,7 +152,7 @@ class Settings(BaseSettings):
     allow_remote: bool = False
     """Let ``rlhf api`` / ``rlhf serve`` listen on an address other than loopback (as ``--allow-remote``).
     Every request needs an API key either way; this is an explicit opt-in to being reachable."""
-    cors_origins: list[str] = []
+    cors_origins: Annotated[list[str], NoDecode] = []
     """Browser origins allowed to call the API cross-origin (e.g. ``["https://dash.example.com"]``);
     empty: no CORS headers, so browsers refuse cross-origin calls."""
     url: str | None = None
@@ -158,6 +161,23 @@ class Settings(BaseSettings):
     """API key for the client commands; default: ``data_dir/api-key``."""
     visibility_timeout_seconds: int = 7 * 24 * 3600
     """Redis visibility timeout: longer than any job, so a running job is never redelivered."""
+
+    @field_validator("reward_urls", "reward_functions", "tracking", "cors_origins", mode="before")
+    @classmethod
+    def _list_variable(cls, value: Any) -> Any:
+        """A list setting's variable: a JSON list (``["a", "b"]``), or a bare word or a comma list (``loopback``,
+        ``tensorboard,mlflow``)."""
+        if not isinstance(value, str):
+            return value
+        if value.strip().startswith("["):
+            return _json(value, "a JSON list")
+        return [item.strip() for item in value.split(",") if item.strip()]
+
+    @field_validator("judges", "device_memory", mode="before")
+    @classmethod
+    def _dict_variable(cls, value: Any) -> Any:
+        """A dict setting's variable: a JSON object."""
+        return _json(value, "a JSON object") if isinstance(value, str) else value
 
     @property
     def resolved_database_url(self) -> str:
@@ -206,6 +226,48 @@ class Settings(BaseSettings):
             )
 
 
+def _json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not {what} ({e.msg} at character {e.pos})") from None
+
+
+class InvalidSettings(Exception):
+    """``RLHF_*`` variables that do not read as their settings: one line per variable, naming it."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+def variable(field: str) -> str:
+    """The environment variable of the setting ``field``."""
+    return f"{Settings.model_config['env_prefix']}{field.upper()}"
+
+
+def _problems(error: ValidationError) -> list[str]:
+    """``RLHF_X: what is wrong`` for each variable with errors (the value itself left out: it may be a secret)."""
+    by_variable: dict[str, list[str]] = {}
+    for item in error.errors(include_input=False, include_url=False):
+        field, *inside = item["loc"]
+        where = " ".join(f"item {part}" if isinstance(part, int) else repr(part) for part in inside)
+        message = item["msg"].removeprefix("Value error, ")
+        by_variable.setdefault(variable(str(field)), []).append(f"{where}: {message}" if where else message)
+    return [f"{name}: {'; '.join(messages)}" for name, messages in by_variable.items()]
+
+
+def load_settings() -> Settings:
+    """The settings from the environment, or :class:`InvalidSettings` naming every variable that does not read."""
+    try:
+        return Settings()
+    except ValidationError as e:
+        raise InvalidSettings(_problems(e)) from None
+    except SourceError as e:  # pydantic-settings' own decoding, should a setting escape the validators above
+        raise InvalidSettings([str(e)]) from None
+
+
 @lru_cache
 def get_settings() -> Settings:
-    return Settings()
+    """The settings (read once per process); :class:`InvalidSettings` names the variables that do not read."""
+    return load_settings()

@@ -96,3 +96,29 @@ def test_a_truncated_archive_is_an_error(tmp_path: Path) -> None:
     data = tar_of((file_member("job_x/model.safetensors"), b"w" * 5000))
     with pytest.raises(tarfile.ReadError):
         unpack_model(chunks(data[:3000]), tmp_path)
+
+
+def gnu_sparse_member(name: str, data: bytes, apparent: int) -> bytes:
+    """A GNU sparse member (type ``S``; GNU tar's ``--sparse``, which tarfile reads but cannot write): ``data`` at
+    offset 0 of a file of ``apparent`` bytes, the rest a hole. Its header's fields, by offset: the sparse map at 386
+    (offset, length: 12 octal digits each), the real size at 483."""
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    header = bytearray(info.tobuf(format=tarfile.GNU_FORMAT))
+    header[156:157] = tarfile.GNUTYPE_SPARSE
+    header[386:410] = b"%011o\0%011o\0" % (0, len(data))
+    header[483:495] = b"%011o\0" % apparent
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header[:512])
+    return bytes(header) + data.ljust(-(-len(data) // 512) * 512, b"\0")
+
+
+def test_a_sparse_member_is_refused(tmp_path: Path) -> None:
+    """Issue 39, item 4.13: a GNU sparse member unpacked to 1 GiB from a few KB (16 GiB in the probe)."""
+    normal = tar_of((file_member("job_x/config.json"), b"{}"))[:1024]  # its header and data, no end blocks
+    data = normal + gnu_sparse_member("job_x/model.safetensors", b"w" * 100, 2**30) + b"\0" * 1024
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        assert [m.name for m in tar if m.issparse()] == ["job_x/model.safetensors"]  # the archive is what it says
+    with pytest.raises(UnsafeArchiveError, match=r"'job_x/model\.safetensors' is a sparse file"):
+        unpack_model(chunks(data), tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors").exists()

@@ -18,6 +18,8 @@ from jobs.store.settings import Settings
 from tests.api.helpers import Db, error_of, jsonl
 from tests.factories import Project, new_project
 
+USER = {"role": "user", "content": "2+2?"}
+ANSWER = {"role": "assistant", "content": "4"}
 SFT_ROWS = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(3)]
 
 
@@ -62,6 +64,15 @@ def test_upload_then_get_and_list(client: TestClient, settings: Settings, projec
         ("ppo", b'{"prompt": "a"}\n\n["a list"]\n', 3, "JSON object"),
         ("ppo", b'{"prompt": "a"}\n{"prompt": 7}\n', 2, "'prompt'"),
         ("ppo", b'{"prompt": "a"}\r\n{"prompt": "\xff"}\r\n', 2, "UTF-8"),
+        # a prompt that ends with the answer: GRPO would train on prompts holding it
+        ("prompts", jsonl([{"prompt": "a"}, {"prompt": [USER, ANSWER]}]), 2, "'prompt' ends with an assistant"),
+        ("prompts", jsonl([{"messages": [USER, ANSWER], "reference_answer": "4"}]), 1, "'messages' ends with an"),
+        (
+            "ppo",
+            jsonl([{"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}]),
+            1,
+            "assistant",
+        ),
     ],
 )
 def test_bad_line_is_rejected_with_its_number_and_nothing_stored(

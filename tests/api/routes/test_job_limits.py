@@ -32,6 +32,10 @@ def test_more_processes_than_the_workers_have_are_refused(client: TestClient, ca
     assert calls.enqueued == []
     spec["resources"] = {"num_processes": 8}
     assert client.post("/v1/jobs", json=spec).status_code == 201
+    # Issue 39, item 3.8: the limit first, not the batch of 4 that 16 processes do not divide
+    small = {**SFT_SPEC, "hyperparameters": {"batch_size": 4}, "resources": {"num_processes": 16}}
+    error = error_of(client.post("/v1/jobs", json=small))
+    assert (error["code"], error["param"]) == ("too_many_processes", "resources.num_processes"), error
 
 
 @contextmanager
@@ -158,3 +162,24 @@ def test_a_job_whose_models_cannot_fit_its_queues_gpus_is_refused_with_the_setti
             error["code"] == "model_does_not_fit"
             and "1.00 MiB device as they are held (one process)" in error["message"]
         )
+
+
+def test_a_hostile_safetensors_header_under_the_model_root_is_a_422_naming_the_file(
+    settings: Settings, project: Project, tmp_path: Path
+) -> None:
+    """Issue 39, item 4.12: a weight file declaring a header of 2^63 bytes was read whole at submit (a 500)."""
+    folder = build_model("llama", tmp_path / "models" / "evil")
+    (folder / "model.safetensors").write_bytes((2**63).to_bytes(8, "little") + b"{}")
+    memory = Settings(device_memory={"train": "4MiB"}).device_memory
+    declared = settings.model_copy(update={"device_memory": memory, "model_root": tmp_path / "models"})
+    app = create_app(declared, enqueue=Calls().enqueue, recovery_interval=None)
+    with TestClient(app, headers=project.headers) as client:
+        for spec, param in [
+            ({**SFT_SPEC, "model": "evil"}, "model"),
+            ({**PPO_SPEC, "reward_model": "evil"}, "reward_model"),
+        ]:
+            response = client.post("/v1/jobs", json=spec)
+            assert response.status_code == 422, response.text
+            error = error_of(response)
+            assert (error["code"], error["param"]) == ("model_not_found", param)
+            assert error["message"].startswith("evil/model.safetensors is not a safetensors file"), error

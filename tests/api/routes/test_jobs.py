@@ -460,6 +460,28 @@ def test_models_the_worker_could_not_use_are_refused_at_submit(
         assert client.post("/v1/jobs", json={**SFT_SPEC, "model": "granite"}).status_code == 201  # a policy may be
 
 
+def test_a_misspelt_folder_under_the_model_root_names_the_nearest_folders(
+    settings: Settings, project: Project, calls: Calls, tmp_path: Path, hf_cache: Path
+) -> None:
+    """Issue 39, item 3.5: ``qwen4`` under the model root is a folder's name misspelt, not a hub id to cache."""
+    for name in ("qwen3", "Qwen2.5-0.5B", "llama", "team/qwen3-small"):
+        (tmp_path / name).mkdir(parents=True)
+    app = create_app(
+        settings.model_copy(update={"model_root": tmp_path}), enqueue=calls.enqueue, recovery_interval=None
+    )
+    with TestClient(app, headers=project.headers) as client:
+        for model, code, message in [
+            ("qwen4", "hub_model_unavailable", "no folder 'qwen4' under the model root (the nearest there: 'qwen3'"),
+            ("team/qwen3-smal", "hub_model_unavailable", "(the nearest there: 'team/qwen3-small')"),
+            (str(tmp_path / "QWEN2.5-0.5b-x"), "model_not_found", "(the nearest there: 'Qwen2.5-0.5B')"),
+            ("zzzzzz", "hub_model_unavailable", "no folder 'zzzzzz' under the model root, and 'zzzzzz' is a Hugging"),
+        ]:
+            error = error_of(client.post("/v1/jobs", json={**SFT_SPEC, "model": model}))
+            assert (error["code"], error["param"]) == (code, "model"), error
+            assert message in error["message"], error["message"]
+    assert calls.enqueued == []
+
+
 DISTILL_SPEC: dict[str, Any] = {
     "type": "distill",
     "model": "builtin:tiny",

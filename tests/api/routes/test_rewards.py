@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from api.main import create_app
 from jobs.store.settings import Settings
-from tests.api.helpers import Calls, Db, error_of
+from tests.api.helpers import Calls, Db, error_of, jsonl
 from tests.factories import Project
 
 GRPO_SPEC: dict[str, Any] = {"type": "grpo", "model": "builtin:tiny", "dataset": "builtin:digits-prompts"}
@@ -142,3 +142,37 @@ def test_a_reward_is_refused_for_types_that_take_none(client: TestClient) -> Non
         error = error_of(response)
         assert (error["param"], error["code"]) == ("eval_reward", "invalid_request")
         assert "eval_reward applies to ppo, grpo and distill jobs only" in error["message"]
+
+
+def test_a_template_naming_a_column_the_dataset_lacks_is_refused_at_submit(client: TestClient, calls: Calls) -> None:
+    """Issue 39, item 3.7: the job failed a second after it started; the uploaded file's columns are known."""
+
+    def upload(rows: list[dict[str, Any]]) -> str:
+        files = {"file": ("rows.jsonl", jsonl(rows), "application/jsonl")}
+        response = client.post("/v1/files", files=files, data={"purpose": "prompts"})
+        assert response.status_code == 201, response.text
+        return str(response.json()["id"])
+
+    answered = upload([{"prompt": "2+2=", "answer": "4", "meta": {"unit": "none"}}] * 3)
+    partly = upload([{"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3="}])
+    judge = {"type": "text_similarity", "input": "{{sample.output_text}}", "reference": "{{ item.solution }}",
+             "evaluation_metric": "fuzzy_match"}  # fmt: skip
+    nested = {**RULE, "reference": "{{item.meta.units}}"}
+    multi = {"type": "multi", "graders": {"exact": RULE, "close": judge}, "weights": {"exact": 1, "close": 1}}
+    for fields, param, words in [
+        ({"dataset": answered, "reward": judge}, "reward.reference", f"line 1 of {answered} lacks: it has no item.sol"),
+        ({"dataset": answered, "reward": multi}, "reward.graders.close.reference", "(its columns: prompt, answer"),
+        ({"dataset": answered, "reward": nested}, "reward.reference", "it has no item.meta.units"),
+        ({"dataset": partly, "reward": RULE}, "reward.reference", f"line 2 of {partly} lacks: it has no item.answer"),
+        ({"dataset": answered, "eval_dataset": partly, "reward": RULE}, "reward.reference", "line 2"),
+        ({"eval_dataset": partly, "reward": RULE, "eval_reward": judge}, "eval_reward.reference", "item.solution"),
+        ({"dataset": "builtin:reviews-prompts", "reward": RULE}, "reward.reference", "(its columns: prompt)"),
+    ]:  # fmt: skip
+        assert_refused(submit(client, **fields), "column_not_found", param, "{{ item.", words)
+    assert calls.enqueued == []
+    for fields in [
+        {"dataset": answered, "reward": RULE, "eval_dataset": partly, "eval_reward": {**RULE, "reference": "x"}},
+        {"dataset": answered, "reward": {**RULE, "reference": "{{item.meta.unit}}"}},
+    ]:
+        response = submit(client, **fields)
+        assert response.status_code == 201, response.text
