@@ -81,7 +81,9 @@ def client_config(body: ClientConfigRequest, settings: SettingsDep, _project: Ti
 
 @router.post("/client/dynamic_config")
 def dynamic_config(_project: TinkerProject) -> dict[str, Any]:
-    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
+    """The SDK cancels the samples whose result it stopped waiting for (``cancel_future``): their worker stops
+    them between decoding steps."""
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": True, "sample_cancel_max_batch_size": 64}
 
 
 @router.get("/get_server_capabilities")

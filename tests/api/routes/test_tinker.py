@@ -73,6 +73,8 @@ def test_an_unsupported_sdk_is_told_which_versions_are(api: TestClient, project:
     config = api.post("/api/v1/client/config", json={"sdk_version": "0.38.0"})
     assert config.status_code == 200
     assert config.json()["proto_compress_fwdbwd"] is True and config.json()["custom_loss_server_side"] is False
+    # a sample the client stopped waiting for is cancelled on the server (its worker stops it mid-decoding)
+    assert api.post("/api/v1/client/dynamic_config", json={}).json()["sample_cancel_enabled"] is True
 
 
 def test_a_session_is_a_job_queued_for_a_train_worker_once_it_has_a_model(api: TestClient, client: TestClient,
