@@ -4,8 +4,9 @@ worker and by the API.
 :func:`recover_once` requeues the lost jobs in one transaction and, after the commit, sends each requeued job to
 its train queue with the caller's ``enqueue`` (the API's, or a worker's Celery app); :func:`release_once` does the
 same for waiting jobs whose dependencies succeeded (and fails those whose dependencies cannot); :func:`resend_once`
-sends again the queued jobs whose message was lost (see ``crud.claim_unsent``). Every send is recorded in the job's
-``sent_at`` once the broker took it. :class:`RecoveryThread` repeats the three every ``interval`` seconds from a
+sends again the queued jobs whose message was lost (see ``crud.claim_unsent``); :func:`end_abandoned_once` ends the
+training sessions no worker holds whose client went away. Every send is recorded in the job's ``sent_at`` once the
+broker took it. :class:`RecoveryThread` repeats the four every ``interval`` seconds from a
 daemon thread, after one sweep when the process starts.
 """
 
@@ -14,7 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
-from jobs.store import crud
+from jobs.store import crud, sessions
 from jobs.store.db import session_scope
 from jobs.store.pipelines import release_waiting
 from jobs.store.settings import Settings
@@ -33,6 +34,16 @@ def recover_once(settings: Settings, enqueue: Callable[[str, str], None]) -> lis
     with session_scope(settings.resolved_database_url) as session:
         requeued = crud.recover_expired(session, max_attempts=settings.max_attempts)
     return send(settings, requeued, enqueue, "lost its worker; requeued", "recovered", logging.WARNING)
+
+
+def end_abandoned_once(settings: Settings) -> list[str]:
+    """End the sessions that no worker holds yet whose client stopped beating (a running one is ended by its
+    worker); returns their ids."""
+    with session_scope(settings.resolved_database_url) as session:
+        ended = sessions.end_abandoned(session, timeout_s=settings.session_timeout_seconds)
+    for job_id in ended:
+        log.info("session %s ended before a worker took it: its client stopped beating", job_id)
+    return ended
 
 
 def release_once(
@@ -88,8 +99,9 @@ def send(
 
 
 class RecoveryThread(threading.Thread):
-    """Calls :func:`recover_once`, :func:`release_once` and :func:`resend_once` every ``interval`` seconds (the
-    first time after one interval: the process runs :meth:`sweep` itself when it starts) until stopped."""
+    """Calls :func:`recover_once`, :func:`end_abandoned_once`, :func:`release_once` and :func:`resend_once` every
+    ``interval`` seconds (the first time after one interval: the process runs :meth:`sweep` itself when it starts)
+    until stopped."""
 
     def __init__(self, settings: Settings, enqueue: Callable[[str, str], None], interval: float) -> None:
         super().__init__(name="rlhf-lease-recovery", daemon=True)
@@ -97,11 +109,12 @@ class RecoveryThread(threading.Thread):
         self.stopping = threading.Event()
 
     def sweep(self, unsent_grace_s: float = UNSENT_GRACE_S) -> None:
-        """One :func:`recover_once`, :func:`release_once` and :func:`resend_once` (with ``unsent_grace_s``: 0 at a
-        process's start, which sends at once what it finds lost); a failure is logged, and the next sweep tries
-        again."""
+        """One :func:`recover_once`, :func:`end_abandoned_once`, :func:`release_once` and :func:`resend_once` (with
+        ``unsent_grace_s``: 0 at a process's start, which sends at once what it finds lost); a failure is logged, and
+        the next sweep tries again."""
         try:
             recover_once(self.settings, self.enqueue)
+            end_abandoned_once(self.settings)
             release_once(self.settings, self.enqueue)
             resend_once(self.settings, self.enqueue, unsent_grace_s)
         except Exception:

@@ -2,8 +2,13 @@
 does; its requests (stored by the API, jobs/store/sessions.py) run one at a time, each model's in the ``seq_id``
 order the SDK gives them, and their results go back to the database for the client's ``retrieve_future``.
 
-A session ends when its client closes it, when its heartbeats stop for ``session_timeout_seconds``, or when it is
-cancelled; its saved weights stay. A request's bad input fails that request (category ``user``), never the session.
+A session ends when its client closes it (``succeeded``, or as the client says), when it is cancelled (a request in
+progress is interrupted between decoding steps), or, ``cancelled`` with an error code that says why, when its
+heartbeats stop for ``session_timeout_seconds`` (``session_abandoned``), when it sent no request for
+``session_idle_seconds`` (``session_idle``) or held its worker for ``session_max_seconds`` (``session_expired``):
+then each model's state is saved first, as ``tinker://<model>/weights/ended-<step>``. Its saved weights stay. A
+session whose first model cannot be loaded ends ``failed`` with the reason: a worker is held only for a model it
+holds. A request's bad input fails that request (category ``user``), never the session.
 A worker lost mid-session loses its models: the recovery fails their requests (category ``server``), the job is
 queued again, and the next worker serves new training clients made from saved states."""
 
@@ -12,6 +17,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +26,11 @@ from sqlalchemy.orm import Session
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.core.checkpoint import list_checkpoints, save_checkpoint
+from engine.core.generate import Interrupted
 from engine.core.models import ModelNotFoundError, context_length, load_causal_lm, load_tokenizer, pick_device
 from engine.session.errors import UserError
 from engine.session.models import Lora, TrainingModel
-from engine.session.sampler import SamplingParams, check_prompt, sample
+from engine.session.sampler import SamplingParams, check_prompt, check_work, sample
 from engine.session.wire import decode_datums, encode_forward_backward_output, encode_sample_response, loss_config
 from engine.spec.tinker_proto import ForwardBackwardRequest
 from jobs.runner import DbCallbacks, Ending, Outcome, cancelled, failed, handed_back, in_transaction
@@ -36,7 +43,7 @@ log = logging.getLogger(__name__)
 POLL_S = (0.002, 0.05)
 """The first and the longest pause between two looks for new requests."""
 SESSION_CHECK_S = 1.0
-"""How often the session's heartbeat and finish are read."""
+"""How often the session's heartbeat and finish are read, and a running request's cancel."""
 SAMPLERS_KEPT = 2
 """Sampler weights kept loaded (the least recently used are let go)."""
 LOST = (
@@ -65,6 +72,16 @@ class SessionWorker:
         """Optimizer steps of the session (all its models): the step of its metrics."""
         self.saves = max((step for step, _ in list_checkpoints(out_dir)), default=0)
         """Sampler weights saved so far: each is the session job's checkpoint of the next number."""
+        self.started = _aware(job.started_at or utcnow())
+        """When a worker first took the session (its lifetime counts from there)."""
+        self.active_at = time.monotonic()
+        """When this worker last ran a request, or took the session (its idle time counts from there)."""
+        self.has_pending = False
+        """Whether the session had requests waiting at the last look."""
+        self.ending: Ending | None = None
+        """How the session ends, once a request decided it (its first model could not be loaded)."""
+        self.request_checked = 0.0
+        """When the running request's own status was last read (its client may have cancelled it)."""
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -85,30 +102,54 @@ class SessionWorker:
                 continue
             pause = POLL_S[0]
             self._run(request)
+            self.active_at = time.monotonic()
+            if self.ending is not None:
+                return self.ending
 
     def _ended(self) -> Ending | None:
-        """The session's ending once its client closed it or stopped beating."""
+        """The session's ending once its client closed it or stopped beating, or it was idle or lived too long."""
 
         def read(session: Session) -> tuple[str | None, float]:
             row = session.get(TrainingSession, self.job_id)
             assert row is not None
-            heartbeat = (
-                row.heartbeat_at if row.heartbeat_at.tzinfo else row.heartbeat_at.replace(tzinfo=utcnow().tzinfo)
-            )
-            return row.finish_reason, (utcnow() - heartbeat).total_seconds()
+            return row.finish_reason, (utcnow() - _aware(row.heartbeat_at)).total_seconds()
 
         reason, silent_s = in_transaction(self.url, read)
-        if reason is None and silent_s <= self.settings.session_timeout_seconds:
-            return None
-        why = f"closed by its client ({reason})" if reason else f"no heartbeat for {silent_s:.0f} s"
-        self._fail_unfinished(f"the session ended: {why}", "user")
-        if reason == "errored":
-            return failed("client_error", "the client closed the session as errored"), ("error", why, {})
-        if reason == "interrupted":
-            return cancelled(), ("info", f"session {why}", {})
-        values: dict[str, Any] = {"output_step": self.saves or None, "finished_at": utcnow()}
-        outcomes: list[Outcome] = [(ACTIVE_STATUSES, "succeeded", values)]
-        return outcomes, ("info", f"session {why}", {"step": self.step, "sampler_checkpoints": self.saves})
+        idle_s, lived_s = time.monotonic() - self.active_at, (utcnow() - self.started).total_seconds()
+        if reason is not None:
+            why = f"closed by its client ({reason})"
+            self._fail_unfinished(f"the session ended: {why}", "user")
+            if reason == "errored":
+                return failed("client_error", "the client closed the session as errored"), ("error", why, {})
+            if reason == "interrupted":
+                return cancelled(), ("info", f"session {why}", {})
+            values: dict[str, Any] = {"output_step": self.saves or None, "finished_at": utcnow()}
+            outcomes: list[Outcome] = [(ACTIVE_STATUSES, "succeeded", values)]
+            return outcomes, ("info", f"session {why}", {"step": self.step, "sampler_checkpoints": self.saves})
+        if silent_s > self.settings.session_timeout_seconds:
+            return self._end(sessions.ABANDONED, sessions.abandoned_message(silent_s))
+        idle, lifetime = self.settings.session_idle_seconds, self.settings.session_max_seconds
+        if idle and idle_s > idle and not self.has_pending:
+            return self._end("session_idle", f"no request for {idle_s:.0f} s (RLHF_SESSION_IDLE_SECONDS is {idle})")
+        if lifetime and lived_s > lifetime:
+            return self._end(
+                "session_expired",
+                f"the session held its train worker for {lived_s:.0f} s (RLHF_SESSION_MAX_SECONDS is {lifetime})",
+            )
+        return None
+
+    def _end(self, code: str, why: str) -> Ending:
+        """End the session without its client: each model's state saved first (``weights/ended-<step>``, for
+        ``create_training_client_from_state``), then ``cancelled`` with ``code`` and ``why``."""
+        paths = [self._save_state(target, f"ended-{self.step}", overwrite=True) for target in list(self.models)]
+        message = why + (f"; its models' state was saved: {', '.join(paths)}" if paths else "")
+        self._fail_unfinished(f"the session ended: {message}", "user")
+        values = {"error_code": code, "error_message": message, "finished_at": utcnow()}
+        return [(ACTIVE_STATUSES, "cancelled", values)], (
+            "info",
+            f"session ended: {message}",
+            {"code": code, "saved": paths},
+        )
 
     def _stopped(self, stop: str) -> Ending:
         if stop == "cancel":
@@ -130,6 +171,7 @@ class SessionWorker:
         """The oldest pending request whose turn it is: a model's next ``seq_id`` (a model this worker does not hold
         fails at once), or any sample."""
         pending = in_transaction(self.url, lambda s: sessions.pending_requests(s, session_id=self.job_id))
+        self.has_pending = bool(pending)
         for request in pending:
             if request.kind == "sample" or request.kind == "create_model":
                 return request
@@ -148,10 +190,14 @@ class SessionWorker:
         started = time.perf_counter()
         try:
             result, result_format = getattr(self, f"_{request.kind}")(request)
+        except Interrupted:
+            self._finish(request, error=self._interruption())
         except UserError as e:
             self._finish(request, error=(str(e), "user"))
         except (ModelNotFoundError, ValueError) as e:
             self._finish(request, error=(f"{type(e).__name__}: {e}", "user"))
+            if request.kind == "create_model":
+                self._unloadable(e)
         except Exception as e:  # the request fails, the session goes on
             log.exception("session %s: %s %s failed", self.job_id, request.kind, request.id)
             self._finish(request, error=(f"{type(e).__name__}: {e}"[:2000], "server"))
@@ -161,6 +207,44 @@ class SessionWorker:
             if request.target in self.next_seq:
                 self.next_seq[request.target] = max(self.next_seq[request.target], request.seq_id + 1)
         log.debug("session %s: %s in %.3f s", self.job_id, request.kind, time.perf_counter() - started)
+
+    def _unloadable(self, error: Exception) -> None:
+        """A model that could not be loaded, in a session that holds nothing else: the session ends ``failed`` with
+        the reason, and frees its worker."""
+
+        def holds_anything(session: Session) -> bool:
+            samplers = sessions.samplers_of(session, session_id=self.job_id)
+            return bool(samplers) or any(
+                request.kind != "sample" for request in sessions.pending_requests(session, session_id=self.job_id)
+            )
+
+        if self.models:
+            return
+        if in_transaction(self.url, holds_anything):
+            return
+        code = "model_not_found" if isinstance(error, ModelNotFoundError) else "invalid_model"
+        message = f"its model could not be loaded: {error}"
+        self._fail_unfinished(f"the session ended: {message}", "user")
+        self.ending = failed(code, message), ("error", message, {"code": code})
+
+    def _interrupted(self, request: SessionRequest) -> bool:
+        """Whether a request in progress is to stop: its session is cancelled, its worker is shutting down, or its
+        client cancelled it (``cancel_future``); read at most every :data:`SESSION_CHECK_S`."""
+        if self.callbacks.should_stop() is not None:
+            return True
+        if time.monotonic() - self.request_checked < SESSION_CHECK_S:
+            return False
+        self.request_checked = time.monotonic()
+        return in_transaction(self.url, lambda s: sessions.request_status(s, request_id=request.id)) != "running"
+
+    def _interruption(self) -> tuple[str, str]:
+        """The error of an interrupted request: why it stopped, and whose it is."""
+        stop = self.callbacks.should_stop()
+        if stop == "cancel":
+            return "the session was cancelled while the request ran", "user"
+        if stop is not None:
+            return LOST, "server"
+        return "cancelled by the client", "user"
 
     def _finish(self, request: SessionRequest, result: tuple[bytes, str] | None = None,
                 error: tuple[str, str] | None = None) -> None:  # fmt: skip
@@ -223,13 +307,16 @@ class SessionWorker:
 
     def _save_weights(self, request: SessionRequest) -> tuple[bytes, str]:
         body = json.loads(request.payload)
-        name = body["path"]
-        folder = self.out_dir / "weights" / request.target.rsplit(":", 1)[-1] / name
-        if folder.exists() and not body.get("overwrite"):
-            raise UserError(f"path: weights named {name!r} were saved already; pick another name or pass overwrite")
-        size = self._model(request).save_state(folder)
-        path = self._record(request, "weights", name, folder, None, size)
+        path = self._save_state(request.target, body["path"], overwrite=bool(body.get("overwrite")))
         return _json({"path": path, "type": "save_weights"}), "json"
+
+    def _save_state(self, target: str, name: str, overwrite: bool) -> str:
+        """Model ``target``'s weights and optimizer state saved as ``name``; its ``tinker://`` path."""
+        folder = self.out_dir / "weights" / target.rsplit(":", 1)[-1] / name
+        if folder.exists() and not overwrite:
+            raise UserError(f"path: weights named {name!r} were saved already; pick another name or pass overwrite")
+        size = self.models[target].save_state(folder)
+        return self._record(target, "weights", name, folder, None, size)
 
     def _save_weights_for_sampler(self, request: SessionRequest) -> tuple[bytes, str]:
         """Sampler weights: the model as a Hugging Face folder, the session job's next checkpoint (served by the
@@ -243,7 +330,7 @@ class SessionWorker:
         self.saves = step
         self.callbacks.on_checkpoint(step, checkpoint, {"optim_step": float(self.step)})
         size = sum(file.stat().st_size for file in (checkpoint / "policy").rglob("*") if file.is_file())
-        path = self._record(request, "sampler_weights", name, checkpoint / "policy", step, size)
+        path = self._record(request.target, "sampler_weights", name, checkpoint / "policy", step, size)
         sampler = body.get("sampler_id")
         if sampler is not None:
             folder = (checkpoint / "policy").relative_to(self.artifacts).as_posix()
@@ -251,19 +338,17 @@ class SessionWorker:
                                                                            model_path=path))  # fmt: skip
         return _json({"path": path, "sampling_session_id": sampler, "type": "save_weights_for_sampler"}), "json"
 
-    def _record(self, request: SessionRequest, kind: str, name: str, folder: Path, step: int | None,
-                size: int) -> str:  # fmt: skip
+    def _record(self, target: str, kind: str, name: str, folder: Path, step: int | None, size: int) -> str:
         relative = folder.relative_to(self.artifacts).as_posix()
 
         def write(session: Session) -> None:
             job = crud.get_job(session, job_id=self.job_id)
             assert job is not None
-            sessions.add_checkpoint(session, session_id=self.job_id, project_id=job.project_id,
-                                    model_id=request.target, kind=kind, name=name, path=relative, step=step,
-                                    size_bytes=size)  # fmt: skip
+            sessions.add_checkpoint(session, session_id=self.job_id, project_id=job.project_id, model_id=target,
+                                    kind=kind, name=name, path=relative, step=step, size_bytes=size)  # fmt: skip
 
         in_transaction(self.url, write)
-        return f"tinker://{request.target}/{kind}/{name}"
+        return f"tinker://{target}/{kind}/{name}"
 
     def _load_weights(self, request: SessionRequest) -> tuple[bytes, str]:
         body = json.loads(request.payload)
@@ -277,8 +362,11 @@ class SessionWorker:
         params = SamplingParams(**_sampling_params(body["sampling_params"]))
         vocab = int(model.get_output_embeddings().weight.shape[0])
         check_prompt(prompt, params, vocab, context_length(model))
+        check_work(prompt, params, body["num_samples"], context_length(model), self.settings.session_max_sample_tokens)
+        self.request_checked = time.monotonic()
         sequences, prompt_logprobs = sample(model, tokenizer, prompt, body["num_samples"], params,
-                                            prompt_logprobs=body.get("prompt_logprobs", False))  # fmt: skip
+                                            prompt_logprobs=body.get("prompt_logprobs", False),
+                                            stop=lambda: self._interrupted(request))  # fmt: skip
         return encode_sample_response(sequences, prompt_logprobs), "proto"
 
     def _sampler(self, sampler_id: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -296,6 +384,11 @@ class SessionWorker:
                 self.samplers.popitem(last=False)
         self.samplers.move_to_end(ref)
         return self.samplers[ref]
+
+
+def _aware(when: datetime) -> datetime:
+    """A time read back from the database, with its UTC zone (SQLite keeps none)."""
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
 def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:

@@ -43,7 +43,7 @@ from api.queue import run_generation
 from api.schemas import MAX_INT32
 from jobs.store import crud
 from jobs.store.models import Checkpoint, Job, Project
-from jobs.store.refs import GENERATING_JOB_TYPES, generates
+from jobs.store.refs import GENERATING_JOB_TYPES, SpecReferenceError, generates, sampler_save_ref
 
 router = APIRouter(tags=["openai"])
 
@@ -95,10 +95,15 @@ def _final_checkpoint(job: Job, kept: list[Checkpoint]) -> Checkpoint | None:
 
 
 def _resolve(session: Session, project: Project, model: str) -> tuple[str, int, Checkpoint]:
-    """(job id, step, checkpoint) of a model id of the caller's project; 404 ``model_not_found`` otherwise."""
-    match = _MODEL_ID.match(model)
+    """(job id, step, checkpoint) of a model id of the caller's project (``job:<id>``, ``job:<id>@<step>``, or a
+    training session's sampler weights by name); 404 ``model_not_found`` otherwise."""
+    try:
+        saved = sampler_save_ref(session, project_id=project.id, ref=model[:1000], param="model")
+    except SpecReferenceError as e:
+        raise _model_not_found(model, f": {e.message}") from None
+    match = _MODEL_ID.match(saved or model)
     if match is None:
-        raise _model_not_found(model, " (model ids are job:<id> or job:<id>@<step>)")
+        raise _model_not_found(model, " (model ids are job:<id>, job:<id>@<step> or job:<session>@<name>)")
     job_id, step = match.group(1), match.group(2)
     job = crud.get_job(session, job_id=job_id, project_id=project.id)
     if job is None:

@@ -81,7 +81,9 @@ def client_config(body: ClientConfigRequest, settings: SettingsDep, _project: Ti
 
 @router.post("/client/dynamic_config")
 def dynamic_config(_project: TinkerProject) -> dict[str, Any]:
-    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
+    """The SDK cancels the samples whose result it stopped waiting for (``cancel_future``): their worker stops
+    them between decoding steps."""
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": True, "sample_cancel_max_batch_size": 64}
 
 
 @router.get("/get_server_capabilities")
@@ -101,11 +103,13 @@ def telemetry(_project: TinkerProject) -> dict[str, str]:
 
 
 @router.post("/create_session")
-def create_session(body: CreateSessionRequest, settings: SettingsDep, enqueue: EnqueueDep,
-                   project: TinkerProject) -> dict[str, Any]:  # fmt: skip
+def create_session(body: CreateSessionRequest, settings: SettingsDep, project: TinkerProject) -> dict[str, Any]:
+    """A session, its job ``waiting`` until its first model or sampler; 429 past the project's pending jobs or
+    sessions."""
     with _db(settings) as session:
-        job = service.start_session(session, settings, enqueue, project, sdk_version=body.sdk_version,
-                                    tags=body.tags, user_metadata=body.user_metadata or {})  # fmt: skip
+        job = service.start_session(session, settings, project, sdk_version=body.sdk_version, tags=body.tags,
+                                    user_metadata=body.user_metadata or {},
+                                    display_name=body.display_name)  # fmt: skip
         return {"type": "create_session", "session_id": job.id}
 
 
@@ -147,10 +151,13 @@ def get_session(session_id: str, settings: SettingsDep, project: TinkerProject) 
 
 
 @router.post("/create_model")
-def create_model(body: CreateModelRequest, settings: SettingsDep, project: TinkerProject) -> Future:
+def create_model(body: CreateModelRequest, settings: SettingsDep, enqueue: EnqueueDep,
+                 project: TinkerProject) -> Future:  # fmt: skip
+    """A model of the session (its first queues the session for a train worker); a refused ``base_model`` is a 400,
+    and ends a session that holds nothing else."""
     with _db(settings) as session:
         lora = body.lora_config.model_dump() if body.lora_config else None
-        return service.create_model(session, settings, project, session_id=body.session_id,
+        return service.create_model(session, settings, enqueue, project, session_id=body.session_id,
                                     model_seq_id=body.model_seq_id, base_model=body.base_model, lora=lora,
                                     user_metadata=body.user_metadata or {}, body=body)  # fmt: skip
 
@@ -201,9 +208,10 @@ def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, settings: Setti
 
 
 @router.post("/load_weights")
-def load_weights(body: LoadWeightsRequest, settings: SettingsDep, project: TinkerProject) -> Future:
+def load_weights(body: LoadWeightsRequest, settings: SettingsDep, enqueue: EnqueueDep,
+                 project: TinkerProject) -> Future:  # fmt: skip
     with _db(settings) as session:
-        return service.load_weights(session, project, path=body.path, optimizer=body.optimizer,
+        return service.load_weights(session, settings, enqueue, project, path=body.path, optimizer=body.optimizer,
                                     model_id=body.model_id, seq_id=body.seq_id, session_id=body.session_id,
                                     model_seq_id=body.model_seq_id, user_metadata=body.user_metadata or {})  # fmt: skip
 
@@ -212,10 +220,10 @@ def load_weights(body: LoadWeightsRequest, settings: SettingsDep, project: Tinke
 
 
 @router.post("/create_sampling_session")
-def create_sampling_session(body: CreateSamplingSessionRequest, settings: SettingsDep,
+def create_sampling_session(body: CreateSamplingSessionRequest, settings: SettingsDep, enqueue: EnqueueDep,
                             project: TinkerProject) -> dict[str, str]:  # fmt: skip
     with _db(settings) as session:
-        sampler = service.create_sampler(session, settings, project, session_id=body.session_id,
+        sampler = service.create_sampler(session, settings, enqueue, project, session_id=body.session_id,
                                          seq=body.sampling_session_seq_id, base_model=body.base_model,
                                          model_path=body.model_path)  # fmt: skip
         return {"type": "create_sampling_session", "sampling_session_id": sampler.id}
@@ -233,7 +241,7 @@ def get_sampler(sampler_id: str, settings: SettingsDep, project: TinkerProject) 
 @router.post("/asample")
 def asample(body: SampleRequest, settings: SettingsDep, project: TinkerProject) -> Future:
     with _db(settings) as session:
-        return service.sample(session, project, sampler_id=body.sampling_session_id, seq_id=body.seq_id,
+        return service.sample(session, settings, project, sampler_id=body.sampling_session_id, seq_id=body.seq_id,
                               num_samples=body.num_samples, body=body)  # fmt: skip
 
 
@@ -244,12 +252,17 @@ def asample(body: SampleRequest, settings: SettingsDep, project: TinkerProject) 
 async def retrieve_future(body: RetrieveFutureRequest, settings: SettingsDep,
                           project: TinkerProject) -> Response | dict[str, Any]:  # fmt: skip
     """The request's result (JSON, or protobuf for a forward/backward and a sample), its error with the error's
-    category, or, once :data:`LONG_POLL_S` passed with the request still waiting, ``try_again``."""
+    category, or, once :data:`LONG_POLL_S` passed with the request still waiting, ``try_again`` with its
+    ``queue_state`` and why it waits (``queue_state_reason``: no free train worker, and how many jobs are ahead)."""
 
     def look() -> tuple[str, bytes | None, str | None, str | None, str | None]:
         with _db(settings) as session:
             row = service.future_state(session, project, body.request_id)
             return row.status, row.result, row.result_format, row.error, row.category
+
+    def waiting() -> tuple[str, str | None]:
+        with _db(settings) as session:
+            return service.queue_state(session, service.future_state(session, project, body.request_id))
 
     deadline, pause = time.monotonic() + LONG_POLL_S, POLL_S[0]
     while True:
@@ -260,7 +273,13 @@ async def retrieve_future(body: RetrieveFutureRequest, settings: SettingsDep,
         if status == "failed":
             return JSONResponse({"error": error or "the request failed", "category": category or "unknown"})
         if time.monotonic() >= deadline:
-            return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
+            state, reason = await anyio.to_thread.run_sync(waiting)
+            return {
+                "type": "try_again",
+                "request_id": body.request_id,
+                "queue_state": state,
+                **({"queue_state_reason": reason} if reason else {}),
+            }
         await anyio.sleep(pause)
         pause = min(pause * 1.5, POLL_S[1])
 

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from api.deps import Enqueue
 from api.errors import ApiError
-from api.services.jobs import send_created
+from api.services.jobs import check_pending, send_created
 from api.tinker_schemas import SUPPORTED_SDK, Future
 from engine import builtin
 from engine.spec.tinker_proto import WireError, parse_forward_backward
@@ -98,15 +98,43 @@ def capabilities(settings: Settings) -> dict[str, Any]:
 
 
 def start_session(
-    session: Session, settings: Settings, enqueue: Enqueue, project: Project, *, sdk_version: str, tags: list[str],
-    user_metadata: dict[str, Any],
+    session: Session, settings: Settings, project: Project, *, sdk_version: str, tags: list[str],
+    user_metadata: dict[str, Any], display_name: str | None,
 ) -> Job:  # fmt: skip
-    """A session job, queued for a train worker that holds it while the client lives."""
+    """A session job, ``waiting`` until its first model (:func:`_claim_worker`): it counts among the project's
+    pending jobs (``RLHF_MAX_PENDING_JOBS``) and its sessions (``RLHF_MAX_SESSIONS_PER_PROJECT``)."""
+    check_pending(session, settings, project, 1)
+    unfinished = sessions.count_unfinished(session, project_id=project.id)
+    if unfinished >= settings.max_sessions_per_project:
+        raise ApiError(
+            429,
+            "too_many_sessions",
+            f"the project has {unfinished} unfinished training sessions, and "
+            f"takes at most {settings.max_sessions_per_project} (RLHF_MAX_SESSIONS_PER_PROJECT): close "
+            "one (ServiceClient.close) or cancel its job first",
+        )
     job = sessions.create_session(session, project_id=project.id, sdk_version=sdk_version, tags=tags[:20],
-                                  user_metadata=user_metadata)  # fmt: skip
+                                  user_metadata=user_metadata, display_name=display_name)  # fmt: skip
     session.commit()
-    send_created(session, settings, enqueue, [job])
     return job
+
+
+def _claim_worker(session: Session, settings: Settings, enqueue: Enqueue, job: Job, base_model: str) -> None:
+    """The session has a model or sampler now: queued for a train worker (once), after the commit of what the
+    caller stored."""
+    if sessions.queue_session(session, job=job, base_model=base_model):
+        session.commit()
+        session.refresh(job)
+        send_created(session, settings, enqueue, [job])
+
+
+def _refused(session: Session, job: Job, error: SpecReferenceError) -> ApiError:
+    """The 400 of a model the session cannot load; a session that holds nothing else ends with it (``failed``,
+    the reason as its error), so that it never holds a worker for nothing."""
+    if not sessions.holds_anything(session, session_id=job.id):
+        sessions.refuse(session, job_id=job.id, code=error.code, message=str(error))
+        session.commit()
+    return ApiError(400, error.code, error.message, param=error.param)
 
 
 def owned_session(session: Session, project: Project, session_id: str) -> TrainingSession:
@@ -155,18 +183,19 @@ def model_of(session: Session, project: Project, model_id: str) -> tuple[Session
 
 
 def create_model(
-    session: Session, settings: Settings, project: Project, *, session_id: str, model_seq_id: int, base_model: str,
-    lora: dict[str, Any] | None, user_metadata: dict[str, Any], body: BaseModel,
+    session: Session, settings: Settings, enqueue: Enqueue, project: Project, *, session_id: str, model_seq_id: int,
+    base_model: str, lora: dict[str, Any] | None, user_metadata: dict[str, Any], body: BaseModel,
 ) -> Future:  # fmt: skip
     job = live_session(session, project, session_id)
     try:
         resolved = resolve_model(session, project_id=project.id, ref=base_model, settings=settings, param="base_model")
     except SpecReferenceError as e:
-        raise ApiError(400, e.code, e.message, param=e.param) from None
+        raise _refused(session, job, e) from None
     model = sessions.add_model(session, session_id=job.id, project_id=project.id, seq=model_seq_id,
                                base_model=base_model, lora_rank=lora["rank"] if lora else None,
                                info={"lora": lora}, user_metadata=user_metadata)  # fmt: skip
     request = _submit(session, job, model.id, 0, "create_model", _json(body, resolved=resolved))
+    _claim_worker(session, settings, enqueue, job, base_model)
     return Future(request_id=request.id, model_id=model.id)
 
 
@@ -207,9 +236,9 @@ def save_for_sampler(session: Session, project: Project, *, model_id: str, seq_i
     return Future(request_id=request.id, model_id=model.id)
 
 
-def load_weights(session: Session, project: Project, *, path: str, optimizer: bool, model_id: str | None,
-                 seq_id: int | None, session_id: str | None, model_seq_id: int | None,
-                 user_metadata: dict[str, Any]) -> Future:  # fmt: skip
+def load_weights(session: Session, settings: Settings, enqueue: Enqueue, project: Project, *, path: str,
+                 optimizer: bool, model_id: str | None, seq_id: int | None, session_id: str | None,
+                 model_seq_id: int | None, user_metadata: dict[str, Any]) -> Future:  # fmt: skip
     """Saved training weights loaded into a model of the session, or into a new one created from them."""
     checkpoint = checkpoint_at(session, project, path, kind="weights")
     source = sessions.get_model(session, model_id=checkpoint.model_id, project_id=project.id)
@@ -228,6 +257,7 @@ def load_weights(session: Session, project: Project, *, path: str, optimizer: bo
     payload = json.dumps({"path": path, "folder": checkpoint.path, "optimizer": optimizer, "resolved": resolved,
                           "lora": source.info.get("lora")}).encode()  # fmt: skip
     request = _submit(session, job, model.id, 0, "create_model", payload)
+    _claim_worker(session, settings, enqueue, job, source.base_model)
     return Future(request_id=request.id, model_id=model.id)
 
 
@@ -238,29 +268,47 @@ def _request_payload(session: Session, model: SessionModel) -> bytes:
     return request.payload
 
 
-def create_sampler(session: Session, settings: Settings, project: Project, *, session_id: str, seq: int,
-                   base_model: str | None, model_path: str | None) -> SamplingSession:  # fmt: skip
+def create_sampler(session: Session, settings: Settings, enqueue: Enqueue, project: Project, *, session_id: str,
+                   seq: int, base_model: str | None, model_path: str | None) -> SamplingSession:  # fmt: skip
     """A sampler of saved sampler weights (``model_path``) or of a base model."""
     job = live_session(session, project, session_id)
     if model_path is not None:
         checkpoint = checkpoint_at(session, project, model_path, kind="sampler_weights")
         model = sessions.get_model(session, model_id=checkpoint.model_id, project_id=project.id)
         assert model is not None
-        return sessions.add_sampler(session, session_id=job.id, project_id=project.id, seq=seq,
-                                    base_model=model.base_model, model_path=model_path,
-                                    folder=checkpoint.path)  # fmt: skip
-    if base_model is None:
+        sampler = sessions.add_sampler(session, session_id=job.id, project_id=project.id, seq=seq,
+                                       base_model=model.base_model, model_path=model_path,
+                                       folder=checkpoint.path)  # fmt: skip
+    elif base_model is None:
         raise ApiError(400, "invalid_request", "a sampling session needs model_path or base_model", param="base_model")
-    try:
-        resolved = resolve_model(session, project_id=project.id, ref=base_model, settings=settings, param="base_model")
-    except SpecReferenceError as e:
-        raise ApiError(400, e.code, e.message, param=e.param) from None
-    return sessions.add_sampler(session, session_id=job.id, project_id=project.id, seq=seq, base_model=base_model,
-                                model_path=None, folder=resolved)  # fmt: skip
+    else:
+        try:
+            resolved = resolve_model(session, project_id=project.id, ref=base_model, settings=settings,
+                                     param="base_model")  # fmt: skip
+        except SpecReferenceError as e:
+            raise _refused(session, job, e) from None
+        sampler = sessions.add_sampler(session, session_id=job.id, project_id=project.id, seq=seq,
+                                       base_model=base_model, model_path=None, folder=resolved)  # fmt: skip
+    _claim_worker(session, settings, enqueue, job, sampler.base_model)
+    return sampler
 
 
-def sample(session: Session, project: Project, *, sampler_id: str, seq_id: int, num_samples: int,
-           body: BaseModel) -> Future:  # fmt: skip
+def sample(session: Session, settings: Settings, project: Project, *, sampler_id: str, seq_id: int,
+           num_samples: int, body: BaseModel) -> Future:  # fmt: skip
+    """A sample request; 400 ``request_too_large`` when its ``num_samples`` × ``max_tokens`` is past
+    ``RLHF_SESSION_MAX_SAMPLE_TOKENS`` (without ``max_tokens``, the worker checks against the model's context)."""
+    params = getattr(body, "sampling_params", None)
+    max_tokens = params.get("max_tokens") if isinstance(params, dict) else getattr(params, "max_tokens", None)
+    if type(max_tokens) is int and max_tokens * num_samples > settings.session_max_sample_tokens:
+        raise ApiError(
+            400,
+            "request_too_large",
+            f"{num_samples} samples of up to {max_tokens} tokens is "
+            f"{num_samples * max_tokens} tokens; a request may decode at most "
+            f"{settings.session_max_sample_tokens} (RLHF_SESSION_MAX_SAMPLE_TOKENS): fewer samples or "
+            "tokens per request",
+            param="sampling_params.max_tokens",
+        )
     sampler = sessions.get_sampler(session, sampler_id=sampler_id, project_id=project.id)
     if sampler is None:
         raise ApiError(404, "not_found", f"no sampling session {sampler_id[:120]!r}")
@@ -274,6 +322,23 @@ def future_state(session: Session, project: Project, request_id: str) -> Session
     if request is None:
         raise ApiError(404, "not_found", f"no request {request_id[:40]!r}")
     return request
+
+
+def queue_state(session: Session, request: SessionRequest) -> tuple[str, str | None]:
+    """The SDK's ``queue_state`` of a request still waiting, and why (``queue_state_reason``): ``paused_capacity``
+    while its session waits for a train worker, with the jobs ahead of it in its queue; ``active`` once a worker
+    holds the session (the request waits for those of its session before it)."""
+    job = crud.get_job(session, job_id=request.session_id)
+    if job is None or job.status not in sessions.WAITING_STATUSES:
+        return "active", None
+    if job.status == "waiting":
+        return "paused_capacity", "the session has no model yet"
+    ahead, running = crud.queue_position(session, job=job)
+    queue = crud.job_queue(job)
+    return "paused_capacity", (
+        f"no free train worker on queue {queue!r}: {ahead} job{'s' * (ahead != 1)} ahead of this session, "
+        f"{running} running"
+    )
 
 
 # --- runs and saved weights --------------------------------------------------------------------------

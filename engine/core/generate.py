@@ -42,6 +42,11 @@ def sample_next(
 
 logger = logging.getLogger(__name__)
 
+
+class Interrupted(Exception):
+    """Sampling stopped between two decoding steps because its caller's ``stop`` asked."""
+
+
 EOS_CHECK_EVERY = 8
 """Decoding steps between two looks (each a host sync) at whether every row has produced a stop token."""
 BUCKET_LEVELS = 4
@@ -362,6 +367,7 @@ def sample(
     generator: torch.Generator | None = None,
     group_size: int = 1,
     decoder: Decoder | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to ``max_new_tokens`` after left-padded prompts (B, P), reusing the KV cache; with
     ``group_size`` G, G samples of each prompt (rows ``i*G .. i*G + G - 1`` are prompt i's), the prompt
@@ -377,6 +383,8 @@ def sample(
 
     ``decoder``: decode on its static caches, through its compiled step (:class:`Decoder`); the same tokens as
     the growing cache, log-probs equal up to rounding. None: the growing cache, eagerly.
+
+    ``stop``: asked before each decoding step; True raises :class:`Interrupted` (a cancel reaches a long sample).
     """
     B, P = input_ids.shape
     rows = B * group_size
@@ -400,6 +408,8 @@ def sample(
     tokens, logprobs, all_done = [], [], []
     logits = first_logits
     for t in range(max_new_tokens):
+        if stop is not None and stop():
+            raise Interrupted(f"sampling stopped after {t} of up to {max_new_tokens} tokens")
         logits = logits[:rows]  # (B·G, V): a decoder's padding rows are never sampled
         token = sample_next(logits, temperature, top_k, top_p, generator)  # (B·G,)
         tokens.append(token)

@@ -4,7 +4,7 @@ client's KL penalty against a reference needs)."""
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,14 +55,30 @@ def check_prompt(prompt: Sequence[int], params: SamplingParams, vocab_size: int,
         raise UserError(f"sampling_params.top_k: -1 (no limit) or at least 1, not {params.top_k}")
 
 
+def check_work(
+    prompt: Sequence[int], params: SamplingParams, num_samples: int, max_length: int | None, max_tokens: int
+) -> None:
+    """A :class:`UserError` when the request would decode more than ``max_tokens`` tokens in all (``num_samples``
+    × its ``max_tokens``, or up to the model's context without one): the server's bound on one request's work."""
+    limit = params.max_tokens or max(1, (max_length or len(prompt) + 1) - len(prompt))
+    if num_samples * limit > max_tokens:
+        given = f"max_tokens {limit}" if params.max_tokens else f"no max_tokens (up to the context: {limit})"
+        raise UserError(
+            f"sampling_params.max_tokens: {num_samples} samples with {given} is {num_samples * limit} "
+            f"tokens; a request may decode at most {max_tokens} (RLHF_SESSION_MAX_SAMPLE_TOKENS): fewer "
+            "samples or tokens per request"
+        )
+
+
 @torch.inference_mode()
 def sample(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Sequence[int], num_samples: int,
-    params: SamplingParams, prompt_logprobs: bool = False,
+    params: SamplingParams, prompt_logprobs: bool = False, stop: Callable[[], bool] | None = None,
 ) -> tuple[list[SampledSequence], list[float] | None]:  # fmt: skip
     """``num_samples`` continuations of ``prompt`` (the prompt prefilled once), and with ``prompt_logprobs`` the
     prompt's own log-probs (NaN at position 0, which nothing predicts). A sequence keeps the token it stopped at;
-    log-probs are of the model's full distribution at ``temperature``, as the engine's rollouts take them."""
+    log-probs are of the model's full distribution at ``temperature``, as the engine's rollouts take them.
+    ``stop``: asked between decoding steps; True ends the request (:class:`engine.core.generate.Interrupted`)."""
     model.eval()
     device = model.device
     ids = torch.tensor([list(prompt)], device=device)
@@ -73,7 +89,7 @@ def sample(
     with folded_adapters(model):
         raw, logprobs = generate(model, ids, torch.ones_like(ids), limit, params.temperature,
                                  top_k=max(params.top_k, 0), top_p=params.top_p, eos_token_id=stop_ids or None,
-                                 generator=generator, group_size=num_samples)  # fmt: skip
+                                 generator=generator, group_size=num_samples, stop=stop)  # fmt: skip
         prompt_scores = _prompt_logprobs(model, ids) if prompt_logprobs else None
     sequences = [_cut(raw[i].tolist(), logprobs[i].tolist(), stop_ids, stop_texts, tokenizer, limit)
                  for i in range(num_samples)]  # fmt: skip

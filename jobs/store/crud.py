@@ -304,6 +304,20 @@ def spec_queue(spec: dict[str, Any]) -> str:
     return queue
 
 
+def queue_position(session: Session, *, job: Job) -> tuple[int, int]:
+    """(queued jobs of ``job``'s train queue sent before it, running jobs of that queue): what it waits behind."""
+    queue = job_queue(job)
+    sent = job.sent_at or utcnow()
+    rows = session.execute(
+        select(Job.status, Job.spec).where(
+            Job.id != job.id,
+            or_(Job.status.in_(ACTIVE_STATUSES), and_(Job.status == "queued", Job.sent_at <= sent)),
+        )
+    ).all()
+    ahead = sum(1 for status, spec in rows if status == "queued" and spec_queue(spec) == queue)
+    return ahead, sum(1 for status, spec in rows if status != "queued" and spec_queue(spec) == queue)
+
+
 def mark_sent(session: Session, *, job_ids: Sequence[str]) -> None:
     """Record that the messages of these jobs went to the broker (those still queued)."""
     if job_ids:

@@ -9,7 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from jobs.store import crud
-from jobs.store.models import LIVE_STATUSES, Job, JobDependency, utcnow
+from jobs.store.models import LIVE_STATUSES, SESSION_TYPE, Job, JobDependency, utcnow
 from jobs.store.refs import dependencies
 
 
@@ -23,7 +23,7 @@ def release_waiting(session: Session, *, dependency_ids: Sequence[str] | None = 
     queued: list[tuple[str, str]] = []
     ended = list(dependency_ids) if dependency_ids is not None else None
     while ended is None or ended:
-        stmt = select(Job).where(Job.status == "waiting")
+        stmt = select(Job).where(Job.status == "waiting", Job.type != SESSION_TYPE)  # a session waits for a model
         if ended is not None:
             waiting_for = select(JobDependency.job_id).where(JobDependency.dependency_id.in_(ended))
             stmt = stmt.where(Job.id.in_(waiting_for))

@@ -4,9 +4,11 @@ queued; the worker calls it again to get the paths. Torch-free.
 
 What a spec may name on the server:
 
-- models: ``builtin:…``, ``job:<id>[@<step>]`` of the caller's project, a folder inside ``Settings.model_root``
-  (absolute, or relative to the root: a name that exists under the root is that folder), or a hub id (``name``
-  or ``org/name``, and nothing of that name under the root or in the server's working folder). A path with
+- models: ``builtin:…``, ``job:<id>[@<step>]`` of the caller's project (and a training session's sampler weights
+  by name: ``job:<session>@<name>``, ``tinker://<model>/sampler_weights/<name>``), a folder inside
+  ``Settings.model_root`` (absolute, or relative to the root: a name that exists under the root is that folder),
+  or a hub id (``name`` or ``org/name``, and nothing of that name under the root or in the server's working
+  folder). A path with
   ``..`` or ``~``, one outside the root, one whose symlinks lead out of it, and any local path when no root is
   configured, are refused (``local_path_refused``). A hub id is accepted when ``Settings.hub_downloads`` lets
   the workers download it, or when it is in the Hugging Face cache this process sees (which the workers are to
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import try_to_load_from_cache
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from engine.builtin import DATASETS, TINY_CONFIG, TINY_MODEL, TOKENIZER_FILE
@@ -47,10 +50,13 @@ from engine.spec.model_refs import (
 from engine.spec.rows import dataset_kind, parse_line
 from engine.spec.sequence_classification import SEQUENCE_CLASSIFICATION_TYPES
 from jobs.store import crud
-from jobs.store.models import LIVE_STATUSES, SESSION_TYPE, Job
+from jobs.store.models import LIVE_STATUSES, SESSION_TYPE, Job, SessionCheckpoint
 from jobs.store.settings import Settings
 
 _JOB_REF = re.compile(r"^job:([A-Za-z0-9_-]+)(?:@(\d+))?$")
+_NAMED_SAVE = re.compile(r"^job:([A-Za-z0-9_-]+)@([A-Za-z0-9._-]*[A-Za-z._-][A-Za-z0-9._-]*)$")
+"""``job:<session>@<name>``: a training session's sampler weights by the name it saved them under."""
+_TINKER_SAVE = re.compile(r"^tinker://([^/]+)/sampler_weights/([A-Za-z0-9._-]+)$")
 _MAX_STEP = 2**31 - 1
 _FILE_ID = re.compile(r"^file-[A-Za-z0-9_-]+$")
 
@@ -371,6 +377,7 @@ def _model(
 ) -> str:  # fmt: skip
     if ref.startswith("builtin:"):
         return ref
+    ref = sampler_save_ref(session, project_id=project_id, ref=ref, param=param) or ref
     match = _JOB_REF.match(ref)
     if match is None:
         # A name that exists under the model root is that folder, even one shaped like a hub id.
@@ -400,6 +407,34 @@ def _model(
             f"job {job_id} is {job.status}; name a succeeded job{may_wait} or one of its checkpoints",
         )  # fmt: skip
     return str(job_dir(artifacts, job_id))
+
+
+def sampler_save_ref(session: Session, *, project_id: str, ref: str, param: str) -> str | None:
+    """``job:<session>@<step>`` of a training session's sampler weights named as it saved them:
+    ``tinker://<model>/sampler_weights/<name>`` or ``job:<session>@<name>`` (a name of digits only is a step); None
+    for any other reference. :class:`SpecReferenceError` (``checkpoint_not_found``) when no such save exists, or
+    when two models of the session saved that name (then the ``tinker://`` path tells them apart)."""
+    tinker = _TINKER_SAVE.match(ref)
+    named = _NAMED_SAVE.match(ref) if tinker is None else None
+    if tinker is None and named is None:
+        return None
+    stmt = select(SessionCheckpoint).where(
+        SessionCheckpoint.project_id == project_id, SessionCheckpoint.kind == "sampler_weights"
+    )
+    if tinker is not None:
+        stmt = stmt.where(SessionCheckpoint.model_id == tinker.group(1), SessionCheckpoint.name == tinker.group(2))
+    else:
+        assert named is not None
+        stmt = stmt.where(SessionCheckpoint.session_id == named.group(1), SessionCheckpoint.name == named.group(2))
+    saves = [row for row in session.scalars(stmt) if row.step is not None]
+    if not saves:
+        raise SpecReferenceError(param, "checkpoint_not_found", f"no sampler weights saved as {ref!r} in this project")
+    if len(saves) > 1:
+        paths = ", ".join(sorted(f"tinker://{row.model_id}/sampler_weights/{row.name}" for row in saves))
+        raise SpecReferenceError(
+            param, "checkpoint_not_found", f"{ref!r} names saves of several models; name one of {paths}"
+        )
+    return f"job:{saves[0].session_id}@{saves[0].step}"
 
 
 def dependencies(spec: dict[str, Any]) -> list[str]:

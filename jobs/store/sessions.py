@@ -3,15 +3,16 @@ and samplers, its requests (the SDK's futures) and the weights it saved by name.
 session's worker runs them in order and stores their results (jobs/session.py)."""
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from jobs.store import crud
 from jobs.store.models import (
+    FINAL_STATUSES,
     SESSION_TYPE,
     Job,
     SamplingSession,
@@ -29,15 +30,118 @@ UNFINISHED = ("pending", "running")
 
 
 def create_session(
-    session: Session, *, project_id: str, sdk_version: str, tags: Sequence[str], user_metadata: dict[str, Any]
+    session: Session,
+    *,
+    project_id: str,
+    sdk_version: str,
+    tags: Sequence[str],
+    user_metadata: dict[str, Any],
+    display_name: str | None = None,
 ) -> Job:
-    """A queued ``session`` job and its session row; the caller sends the job to the train workers."""
+    """A ``waiting`` session job (named by the SDK's ``display_name``) and its session row. It takes no train worker
+    yet: its first model or sampler queues it (:func:`queue_session`)."""
     spec = {"type": SESSION_TYPE, "model": "", "sdk_version": sdk_version, "tags": list(tags)}
     job, _ = crud.create_job(session, project_id=project_id, spec=spec, idempotency_key=None)
+    job.status, job.name = "waiting", _label(display_name)
     session.add(TrainingSession(id=job.id, project_id=project_id, sdk_version=sdk_version,
                                 user_metadata=dict(user_metadata)))  # fmt: skip
+    crud.add_event(session, job_id=job.id, kind="info", message=WAITING_FOR_A_MODEL)
     session.flush()
     return job
+
+
+WAITING_FOR_A_MODEL = "waiting for its first model: a session takes a train worker once it has a model to load"
+WAITING_STATUSES = ("waiting", "queued")
+"""A session's job before a worker took it: without a model yet (``waiting``), or in its train queue."""
+
+
+def _label(display_name: str | None) -> str | None:
+    """The SDK's ``display_name`` as a job name: printable, at most 200 characters."""
+    if not display_name:
+        return None
+    return "".join(c if c.isprintable() else " " for c in display_name)[:200].strip() or None
+
+
+def queue_session(session: Session, *, job: Job, base_model: str) -> bool:
+    """The session has a model (or sampler) to load: ``waiting`` → ``queued``, for the caller to send to the train
+    workers after the commit; the first base model becomes the job's ``model``. True when it was queued now."""
+    if not job.spec.get("model"):
+        job.spec = {**job.spec, "model": base_model[:500]}
+        session.flush()
+    return crud.transition(session, job_id=job.id, from_statuses=("waiting",), to="queued")
+
+
+def holds_anything(session: Session, *, session_id: str) -> bool:
+    """Whether the session has a model or a sampler (what a worker holds it for)."""
+    model = select(SessionModel.id).where(SessionModel.session_id == session_id).limit(1)
+    sampler = select(SamplingSession.id).where(SamplingSession.session_id == session_id).limit(1)
+    return session.scalars(model).first() is not None or session.scalars(sampler).first() is not None
+
+
+def refuse(session: Session, *, job_id: str, code: str, message: str) -> bool:
+    """End a session that never got a worker (its model was refused): ``failed``, the reason as its error."""
+    if crud.transition(
+        session,
+        job_id=job_id,
+        from_statuses=WAITING_STATUSES,
+        to="failed",
+        finished_at=utcnow(),
+        error_code=code,
+        error_message=message,
+    ):
+        crud.add_event(session, job_id=job_id, kind="error", message=message, data={"code": code})
+        return True
+    return False
+
+
+def count_unfinished(session: Session, *, project_id: str) -> int:
+    """The project's sessions not ended yet (waiting, queued or running)."""
+    stmt = select(func.count()).where(
+        Job.project_id == project_id, Job.type == SESSION_TYPE, Job.status.not_in(FINAL_STATUSES)
+    )
+    return int(session.execute(stmt).scalar_one())
+
+
+ABANDONED = "session_abandoned"
+"""The error code of a session whose client stopped sending heartbeats without closing it."""
+
+
+def abandoned_message(silent_s: float) -> str:
+    return (
+        f"no heartbeat from the client for {silent_s:.0f} s: it exited without closing the session "
+        "(ServiceClient.close, or a with block) or lost its connection"
+    )
+
+
+def end_abandoned(session: Session, *, timeout_s: float, now: datetime | None = None) -> list[str]:
+    """End the sessions no worker holds (``waiting`` or ``queued``) whose client stopped beating ``timeout_s`` ago:
+    ``cancelled``, error code :data:`ABANDONED` (a running one is ended by its worker). Returns their ids."""
+    now = now or utcnow()
+    stmt = (
+        select(Job.id, TrainingSession.heartbeat_at)
+        .join(TrainingSession, TrainingSession.id == Job.id)
+        .where(Job.type == SESSION_TYPE, Job.status.in_(WAITING_STATUSES))
+        .where(TrainingSession.heartbeat_at < now - timedelta(seconds=timeout_s))
+    )
+    ended = []
+    for job_id, heartbeat in session.execute(stmt).all():
+        silent_s = (now - (heartbeat if heartbeat.tzinfo else heartbeat.replace(tzinfo=now.tzinfo))).total_seconds()
+        message = abandoned_message(silent_s)
+        if crud.transition(
+            session,
+            job_id=job_id,
+            from_statuses=WAITING_STATUSES,
+            to="cancelled",
+            finished_at=now,
+            error_code=ABANDONED,
+            error_message=message,
+        ):
+            crud.add_event(
+                session, job_id=job_id, kind="info", message=f"session ended: {message}", data={"code": ABANDONED}
+            )
+            fail_unfinished(session, session_id=job_id, error=f"the session ended: {message}", category="user")
+            ended.append(job_id)
+    return ended
 
 
 def get_session(session: Session, *, session_id: str, project_id: str) -> TrainingSession | None:
@@ -190,6 +294,10 @@ def request_at(session: Session, *, target: str, seq_id: int) -> SessionRequest 
 def get_request(session: Session, *, request_id: str, project_id: str) -> SessionRequest | None:
     row = session.get(SessionRequest, request_id)
     return row if row is not None and row.project_id == project_id else None
+
+
+def request_status(session: Session, *, request_id: str) -> str | None:
+    return session.scalars(select(SessionRequest.status).where(SessionRequest.id == request_id)).first()
 
 
 def pending_requests(session: Session, *, session_id: str) -> list[SessionRequest]:

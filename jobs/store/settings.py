@@ -131,7 +131,23 @@ class Settings(BaseSettings):
     (``hosts_unavailable``)."""
     session_timeout_seconds: int = Field(default=120, ge=1)
     """A training session of the Tinker-compatible API ends (its worker freed, its saved weights kept) once its
-    client has sent no heartbeat for this long; the SDK sends one every 10 s."""
+    client has sent no heartbeat for this long; the SDK sends one every 10 s. It ends ``cancelled`` with error code
+    ``session_abandoned`` (a clean close by the client ends ``succeeded``)."""
+    session_idle_seconds: int = Field(default=600, ge=0)
+    """A session whose client sent no request for this long (a forgotten notebook, still beating) ends and frees its
+    train worker, after saving each of its models' state as ``tinker://<model>/weights/ended-<step>``: the error code
+    ``session_idle``. 0: never."""
+    session_max_seconds: int = Field(default=0, ge=0)
+    """The longest a session may hold a train worker, from when a worker first took it; past it the session ends as
+    an idle one does (its models' state saved), with error code ``session_expired``. 0: no limit."""
+    max_sessions_per_project: int = Field(default=8, ge=1)
+    """The most training sessions a project may have unfinished (waiting, queued or running): another
+    ``create_session`` is refused (429, ``too_many_sessions``) until one ends. Each running session holds a train
+    worker."""
+    session_max_sample_tokens: int = Field(default=262144, ge=1)
+    """The most tokens one Tinker sample request may make its worker decode: ``num_samples`` × ``max_tokens`` (a
+    request without ``max_tokens`` counts up to the model's context). A request past it fails before it runs
+    (400 at submit when ``max_tokens`` is given, else a ``user`` error), naming this bound."""
     resend_seconds: int = Field(default=600, ge=1)
     """A queued job no worker has claimed this long after its message went to the broker is sent again, once per
     this many seconds (a message the broker lost; a duplicate is a no-op, the claim being guarded). A job whose

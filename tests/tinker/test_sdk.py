@@ -113,12 +113,38 @@ def test_supervised_loop_loss_falls_and_the_weights_chat(served: Served, service
     service.close("success").result()
     wait_until(lambda: served.client.get_job(session_id)["status"] == "succeeded")  # the train worker is free
 
-    # the saved weights are a model for any later job
-    sft = served.client.create_job({"type": "sft", "model": f"job:{session_id}@{checkpoint['step']}",
+    # the saved weights are a model for any later job, by their name too
+    by_name = f"job:{session_id}@sft"
+    named = openai.chat.completions.create(
+        model=by_name, messages=[{"role": "user", "content": "Say yes"}], max_tokens=6, temperature=0
+    )
+    assert named.choices[0].message.content == chat.choices[0].message.content
+    sft = served.client.create_job({"type": "sft", "model": saved.path,
                                     "dataset": "builtin:reviews-sft",
                                     "hyperparameters": {"max_steps": 2, "batch_size": 4}})  # fmt: skip
     wait_until(lambda: served.client.get_job(sft["id"])["status"] in ("succeeded", "failed"))
     assert served.client.get_job(sft["id"])["status"] == "succeeded", served.client.get_job(sft["id"])["error"]
+
+
+def test_a_misspelt_base_model_ends_its_session_and_leaves_the_worker_free(served: Served, service: Any) -> None:
+    """The refused ``base_model`` of a script's first training client ends its session at once (failed, the reason
+    as its error) without holding the server's one train worker: a new client, named by its ``display_name``,
+    trains at once."""
+    with pytest.raises(tinker.BadRequestError, match="qwen3-misspelt"):
+        service.create_lora_training_client(base_model="qwen3-misspelt", rank=4).result()
+    listed = served.client.request("GET", "/v1/jobs", params={"type": "session"})["data"]
+    [refused] = [job for job in listed if job["status"] == "failed" and "qwen3-misspelt" in str(job["error"])]
+    named = tinker.ServiceClient(base_url=served.url, api_key=f"tml-{served.key}", display_name="nightly sweep")
+    try:
+        training = named.create_lora_training_client(base_model=MODEL, rank=4).result(timeout=60)
+        datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                            loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})  # fmt: skip
+        assert training.forward_backward([datum], "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0
+        job = served.client.get_job(training.model_id.split(":")[0])
+        assert (job["name"], job["model"], job["status"]) == ("nightly sweep", MODEL, "running")
+        assert job["id"] != refused["id"]
+    finally:
+        named.close("success").result()
 
 
 def wait_until(condition: Any, timeout: float = 60) -> None:

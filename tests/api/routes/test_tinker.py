@@ -3,6 +3,8 @@ once per (model, seq_id), futures long-polled, and another project's sessions an
 driving a real server is tests/tinker/test_sdk.py."""
 
 import json
+import re
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -11,11 +13,13 @@ from fastapi.testclient import TestClient
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
+from api.main import create_app
 from api.routes import tinker as routes
-from jobs.store import sessions
+from jobs.store import refs, sessions
 from jobs.store.db import session_scope
+from jobs.store.models import utcnow
 from jobs.store.settings import Settings
-from tests.api.helpers import Calls
+from tests.api.helpers import SFT_SPEC, Calls, Db
 from tests.factories import Project, new_project
 from tests.security.routes import PUBLIC, TINKER, every_route
 
@@ -69,14 +73,22 @@ def test_an_unsupported_sdk_is_told_which_versions_are(api: TestClient, project:
     config = api.post("/api/v1/client/config", json={"sdk_version": "0.38.0"})
     assert config.status_code == 200
     assert config.json()["proto_compress_fwdbwd"] is True and config.json()["custom_loss_server_side"] is False
+    # a sample the client stopped waiting for is cancelled on the server (its worker stops it mid-decoding)
+    assert api.post("/api/v1/client/dynamic_config", json={}).json()["sample_cancel_enabled"] is True
 
 
-def test_a_session_is_a_queued_job_sent_to_the_train_workers(api: TestClient, client: TestClient,
-                                                            calls: Calls) -> None:  # fmt: skip
+def test_a_session_is_a_job_queued_for_a_train_worker_once_it_has_a_model(api: TestClient, client: TestClient,
+                                                                           calls: Calls) -> None:  # fmt: skip
     session_id = session_of(api)
     job = client.get(f"/v1/jobs/{session_id}").json()
-    assert job["type"] == "session" and job["status"] == "queued"
+    assert job["type"] == "session" and job["status"] == "waiting"
+    assert calls.enqueued == []  # no worker is held for a session with nothing to load
+    create_model(api, session_id)
+    job = client.get(f"/v1/jobs/{session_id}").json()
+    assert (job["status"], job["model"]) == ("queued", "builtin:tiny")
     assert calls.enqueued == [session_id]
+    create_model(api, session_id, seq=1)
+    assert calls.enqueued == [session_id]  # queued once
     assert session_id in [j["id"] for j in client.get("/v1/jobs", params={"type": "session"}).json()["data"]]
     assert api.post("/api/v1/session_heartbeat", json={"session_id": session_id}).status_code == 200
     paused = client.post(f"/v1/jobs/{session_id}/pause")
@@ -86,6 +98,131 @@ def test_a_session_is_a_queued_job_sent_to_the_train_workers(api: TestClient, cl
     closed = api.post(f"/api/v1/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
     assert closed.status_code == 200  # the client's close after a cancel is no error
     assert client.get(f"/v1/jobs/{session_id}").json()["status"] == "cancelled"
+
+
+def test_a_refused_base_model_ends_a_session_that_holds_nothing_else(api: TestClient, client: TestClient,
+                                                                     calls: Calls) -> None:  # fmt: skip
+    """The misspelt ``base_model`` of a script's first training client: the 400 names it, and the session ends at
+    once (failed, the reason as its error) without ever holding the train worker."""
+    session_id = session_of(api)
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": "Qwen/Qwen3-Misspelt", "type": "create_model"}
+    refused = api.post("/api/v1/create_model", json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "base_model"
+    job = client.get(f"/v1/jobs/{session_id}").json()
+    assert job["status"] == "failed" and calls.enqueued == []
+    assert job["error"]["code"] == "hub_model_unavailable" and "Qwen/Qwen3-Misspelt" in job["error"]["message"]
+    again = api.post("/api/v1/create_model", json={**body, "base_model": "builtin:tiny"})
+    assert again.status_code == 400 and again.json()["error"]["code"] == "session_ended"
+
+    # a session with a model already: the refusal is the request's alone
+    session_id = session_of(api)
+    create_model(api, session_id)
+    refused = api.post("/api/v1/create_model", json={**body, "session_id": session_id, "model_seq_id": 1})
+    assert refused.status_code == 400
+    assert client.get(f"/v1/jobs/{session_id}").json()["status"] == "queued"
+
+
+def test_a_session_names_itself_by_the_sdks_display_name(api: TestClient, client: TestClient) -> None:
+    answer = api.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0",
+                                                       "display_name": "nightly\nsweep"})  # fmt: skip
+    session_id = answer.json()["session_id"]
+    create_model(api, session_id)
+    [job] = [j for j in client.get("/v1/jobs", params={"type": "session"}).json()["data"] if j["id"] == session_id]
+    assert (job["name"], job["model"]) == ("nightly sweep", "builtin:tiny")
+
+
+def test_sessions_count_among_pending_jobs_and_are_bounded_per_project(
+    settings: Settings, project: Project, db: Db
+) -> None:
+    bounded = settings.model_copy(update={"max_pending_jobs": 3, "max_sessions_per_project": 2})
+    app = create_app(bounded, enqueue=Calls().enqueue, recovery_interval=None)
+    api = TestClient(app, headers=headers(project))
+    first, second = session_of(api), session_of(api)
+    third = api.post("/api/v1/create_session", json={"sdk_version": "0.38.0"})
+    assert third.status_code == 429 and third.json()["error"]["code"] == "too_many_sessions"
+    assert "RLHF_MAX_SESSIONS_PER_PROJECT" in third.json()["error"]["message"]
+    db.status(first, "cancelled")
+    db.job(project.id)  # a queued job: with the two sessions, the project's pending jobs are at 3
+    create_model(api, second)  # queued
+    session_of(api)
+    pending = api.post("/api/v1/create_session", json={"sdk_version": "0.38.0"})
+    assert pending.status_code == 429 and pending.json()["error"]["code"] == "too_many_pending_jobs"
+
+
+def test_a_waiting_request_says_why_it_waits(api: TestClient, project: Project, db: Db, settings: Settings,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setattr(routes, "LONG_POLL_S", 0.1)
+    session_id = session_of(api)
+    request_id = create_model(api, session_id)["request_id"]
+
+    def waiting() -> tuple[int, int]:
+        answer = api.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
+        assert (answer["type"], answer["queue_state"]) == ("try_again", "paused_capacity"), answer
+        reason = re.fullmatch(r"no free train worker on queue 'train': (\d+) jobs? ahead of this session, (\d+) "
+                              r"running", answer["queue_state_reason"])  # fmt: skip
+        assert reason is not None, answer
+        return int(reason.group(1)), int(reason.group(2))
+
+    ahead, running = waiting()  # the jobs of the tests before, in this database
+    other = new_project(settings, "other")
+    first = db.job(other.id)  # another project's job, sent before the session
+    db.status(first, "queued", sent_at=utcnow() - timedelta(hours=1))
+    later = db.job(other.id)  # and one sent after it: behind it
+    db.status(later, "queued", sent_at=utcnow() + timedelta(hours=1))
+    assert waiting() == (ahead + 1, running)
+    db.status(first, "running")
+    assert waiting() == (ahead, running + 1)
+    db.status(session_id, "running")  # a worker took the session: the request waits for its turn there
+    active = api.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
+    assert active == {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+
+
+def test_a_sample_past_the_work_bound_is_refused_before_it_runs(api: TestClient, settings: Settings) -> None:
+    session_id = session_of(api)
+    sampler = api.post("/api/v1/create_sampling_session", json={"session_id": session_id, "sampling_session_seq_id": 0,
+                                                                "base_model": "builtin:tiny"})  # fmt: skip
+    body = {"sampling_session_id": sampler.json()["sampling_session_id"], "seq_id": 1, "num_samples": 256,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+            "sampling_params": {"max_tokens": 4096}}  # fmt: skip
+    refused = api.post("/api/v1/asample", json=body)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "request_too_large" and error["param"] == "sampling_params.max_tokens"
+    assert "1048576 tokens" in error["message"] and "RLHF_SESSION_MAX_SAMPLE_TOKENS" in error["message"]
+    assert settings.session_max_sample_tokens < 256 * 4096
+    assert api.post(
+        "/api/v1/asample", json={**body, "num_samples": 4, "sampling_params": {"max_tokens": 16}}
+    ).is_success
+
+
+def test_a_sampler_save_is_a_model_by_its_name(api: TestClient, client: TestClient, project: Project, db: Db,
+                                               calls: Calls, settings: Settings) -> None:  # fmt: skip
+    """``job:<session>@<name>`` and ``tinker://<model>/sampler_weights/<name>`` work where ``job:<id>@<step>``
+    does: a job's model, the OpenAI endpoints' model."""
+    session_id = session_of(api)
+    model_id = create_model(api, session_id)["model_id"]
+    db.checkpoint(session_id, 1)
+    with db.session() as session:
+        sessions.add_checkpoint(session, session_id=session_id, project_id=project.id, model_id=model_id,
+                                kind="sampler_weights", name="sft-v1.2", path=f"jobs/{session_id}/checkpoints/step-1/"
+                                "policy", step=1, size_bytes=1)  # fmt: skip
+    names = (f"job:{session_id}@sft-v1.2", f"tinker://{model_id}/sampler_weights/sft-v1.2")
+    for name in names:
+        with db.session() as session:
+            resolved = refs.resolve_model(session, project_id=project.id, ref=name, settings=settings, param="model")
+        assert resolved == str(settings.resolved_artifacts_dir / f"jobs/{session_id}/checkpoints/step-1")
+        chat = client.post(
+            "/v1/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert chat.status_code == 200, chat.text
+        assert (calls.generated[-1]["job_id"], calls.generated[-1]["step"]) == (session_id, 1)
+        job = client.post("/v1/jobs", json={**SFT_SPEC, "model": name})
+        assert job.status_code == 201, job.text
+    missing = client.post("/v1/jobs", json={**SFT_SPEC, "model": f"job:{session_id}@sft-v2"})
+    assert missing.status_code == 422 and missing.json()["error"]["code"] == "checkpoint_not_found"
+    chat = client.post("/v1/chat/completions", json={"model": f"job:{session_id}@sft-v2",
+                                                     "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    assert chat.status_code == 404 and "sft-v2" in chat.json()["error"]["message"]
 
 
 def test_a_request_is_stored_once_per_model_and_seq_id(api: TestClient, settings: Settings) -> None:
@@ -110,7 +247,7 @@ def test_a_pending_future_is_held_then_tried_again_and_a_result_is_answered(
     session_id = session_of(api)
     request_id = create_model(api, session_id)["request_id"]
     pending = api.post("/api/v1/retrieve_future", json={"request_id": request_id})
-    assert pending.json() == {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+    assert pending.json()["type"] == "try_again" and pending.json()["request_id"] == request_id
     with session_scope(settings.resolved_database_url) as session:
         sessions.complete_request(session, request_id=request_id, result=b'{"model_id": "m"}', result_format="json")
     done = api.post("/api/v1/retrieve_future", json={"request_id": request_id})
