@@ -24,6 +24,8 @@ import queue
 import secrets
 import socket
 import threading
+from collections.abc import Sequence
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,12 @@ class Channel:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+def readable(channels: Sequence[Channel], timeout_s: float) -> list[Channel]:
+    """The ``channels`` with something to read (a message, or their end), after waiting up to ``timeout_s``."""
+    by_fd = {channel.fileno(): channel for channel in channels}
+    return [by_fd[fd] for fd in wait(list(by_fd), timeout_s) if isinstance(fd, int)]
 
 
 def _read(sock: socket.socket, n: int) -> bytes:

@@ -46,7 +46,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +54,7 @@ import torch
 from engine.callbacks import Callbacks, StopRequest
 from engine.core.loop import JobResult
 from engine.spec.config import JobSpec
-from jobs.channel import Channel, ChannelServer, connect, job_key
+from jobs.channel import Channel, ChannelServer, connect, job_key, readable
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +204,7 @@ def join_distributed(
     try:
         control = connect(invitation.channel, key)
         control.send(["host"])
-        while not wait([control], timeout=poll_s):  # the answer comes once every host is there
+        while not readable([control], poll_s):  # the answer comes once every host is there
             if not wanted():
                 control.close()
                 return None
@@ -220,7 +219,7 @@ def join_distributed(
     process = _torchrun(invitation.channel, key, invitation.num_processes, answer[1], invitation.num_nodes)
     try:
         while process.poll() is None:
-            if wait([control], timeout=poll_s):  # the claiming worker is done with this host (or gone)
+            if readable([control], poll_s):  # the claiming worker is done with this host (or gone)
                 log.info("job %s: the claiming worker let this host go", invitation.job_id)
                 with contextlib.suppress(subprocess.TimeoutExpired):  # ranks that finished the job end by themselves
                     process.wait(timeout=5)
@@ -298,8 +297,7 @@ class _Serving:
                     self.connections.append(self.server.accepted.get())
                 if not self.connections:
                     time.sleep(0.2)
-                for conn in wait(self.connections, timeout=0.2):
-                    assert isinstance(conn, Channel)
+                for conn in readable(self.connections, 0.2):
                     try:
                         message = conn.recv()
                     except (EOFError, OSError):  # the process exited, or its host left
