@@ -1,12 +1,15 @@
-"""One rank of a job in several processes, as ``torchrun`` starts it (``python -m jobs.rank``): join the
-process group, fetch the job from the worker, train, and report back. See :mod:`jobs.distributed`."""
+"""One rank of a job in several processes, as ``torchrun`` starts it (``python -m jobs.rank``): fetch the job from
+the worker, join the process group through the worker's store, train, and report back. See
+:mod:`jobs.distributed`."""
 
+import base64
 import contextlib
 import logging
 import os
 import sys
+import threading
 import traceback
-from multiprocessing.connection import Client, Connection
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,8 @@ from transformers.utils import logging as hf_logging
 from engine.callbacks import Callbacks, StopRequest
 from engine.run import run_job
 from engine.spec.config import JobSpec
-from jobs.distributed import CHANNEL_ENV, KEY_ENV, LOST
+from jobs.channel import Channel, connect
+from jobs.distributed import CHANNEL_ENV, KEY_ENV, LOST, NODE_RANK_ENV, NUM_NODES_ENV
 from jobs.runner import error_code
 
 log = logging.getLogger("jobs.rank")
@@ -30,11 +34,11 @@ class CallbackError(RuntimeError):
 class WorkerCallbacks(Callbacks):
     """Rank 0's callbacks: each one a call to the worker's, over the connection, waiting for its answer."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Channel) -> None:
         self.conn = conn
 
     def _call(self, name: str, *args: Any) -> Any:
-        self.conn.send(("call", name, args))
+        self.conn.send(["call", name, args])
         answer, value = self.conn.recv()
         if answer == "error":
             raise CallbackError(value)
@@ -60,12 +64,53 @@ class WorkerCallbacks(Callbacks):
         return stop
 
 
-def connect(channel: str, key: bytes) -> Connection:
-    """The worker's channel: a Unix socket's path, or ``host:port`` (a job across hosts)."""
-    if channel.startswith("/"):
-        return Client(channel, family="AF_UNIX", authkey=key)
-    host, _, port = channel.rpartition(":")
-    return Client((host, int(port)), family="AF_INET", authkey=key)
+class ChannelStore(dist.Store):
+    """The process group's store: each request a call to the worker's store over a connection of its own (c10d
+    calls it from the threads it likes; one request at a time). Nobody but the job's processes reaches it."""
+
+    def __init__(self, channel: str, key: bytes) -> None:
+        super().__init__()
+        self.conn = connect(channel, key)
+        self.lock = threading.Lock()
+
+    def _ask(self, *request: Any) -> Any:
+        with self.lock:
+            self.conn.send(["store", *request])
+            answer, value = self.conn.recv()
+        if answer != "ok":
+            raise RuntimeError(f"the worker's store refused {request[0]}: {value}")
+        return value
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._ask("set", key, _b64(value))
+
+    def get(self, key: str) -> bytes:
+        return base64.b64decode(self._ask("get", key))
+
+    def add(self, key: str, value: int) -> int:
+        return int(self._ask("add", key, value))
+
+    def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:
+        return base64.b64decode(self._ask("compare_set", key, _b64(expected_value), _b64(desired_value)))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._ask("wait", list(keys))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._ask("check", list(keys)))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._ask("delete_key", key))
+
+    def num_keys(self) -> int:
+        return int(self._ask("num_keys"))
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        pass  # a request waits until its keys come or the worker closes the channel
+
+
+def _b64(value: bytes | str) -> str:
+    return base64.b64encode(value.encode() if isinstance(value, str) else bytes(value)).decode()
 
 
 def failure_code(error: BaseException) -> str:
@@ -81,12 +126,17 @@ def failure_code(error: BaseException) -> str:
 
 
 def main() -> None:
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    # this rank among every host's: torchrun numbers the ranks of its own host only
+    local_rank, per_host = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    rank = int(os.environ[NODE_RANK_ENV]) * per_host + local_rank
+    world_size = int(os.environ[NUM_NODES_ENV]) * per_host
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))  # for libraries that read them
     logging.basicConfig(level="INFO", format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    conn = connect(os.environ[CHANNEL_ENV], bytes.fromhex(os.environ[KEY_ENV]))
-    conn.send(("hello", rank))
+    channel, key = os.environ[CHANNEL_ENV], bytes.fromhex(os.environ.pop(KEY_ENV))
+    conn = connect(channel, key)
+    conn.send(["hello", rank])
     _, spec_json, out_dir = conn.recv()
     spec = JobSpec.model_validate(spec_json)
 
@@ -95,7 +145,8 @@ def main() -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=ChannelStore(channel, key), rank=rank, world_size=world_size)
     callbacks = WorkerCallbacks(conn) if rank == 0 else Callbacks()
     try:
         result = run_job(spec, Path(out_dir), callbacks, device)
@@ -108,11 +159,11 @@ def main() -> None:
         if code == LOST:  # gloo's text: "[…/pair.cc:537] Read error [host]:port: Connection reset by peer. This …"
             message = f"rank {rank} lost its connection to another: {message.split('. ')[0].rpartition('] ')[2]}"
         with contextlib.suppress(OSError):  # the worker may be gone, or done with this job
-            conn.send(("failed", code, message))
+            conn.send(["failed", code, message])
         sys.exit(1)
     if rank == 0:
         checkpoint = str(result.checkpoint) if result.checkpoint else None
-        conn.send(("result", result.status, result.step, checkpoint, result.metrics))
+        conn.send(["result", result.status, result.step, checkpoint, result.metrics])
     dist.destroy_process_group()
     conn.close()
 

@@ -52,6 +52,7 @@ from engine.spec.memory import Weights, builtin_weights, read_weights, refusal
 from engine.spec.rows import ChatTemplateMissingError
 from engine.tracking import Tracker, TrackingOptions, quiet_environment, switched_on
 from jobs.celery_app import celery_app, send_invitation
+from jobs.channel import node_secret
 from jobs.distributed import LOST, Hosts, Invitation, RankFailure, run_distributed
 from jobs.downloads import DownloadStopped, HubDownloadError, download
 from jobs.store import crud, refs
@@ -552,7 +553,8 @@ def _hosts(job_id: str, attempt: int, spec: JobSpec, settings: Settings) -> Host
     def invite(invitation: Invitation) -> None:
         send_invitation(celery_app, invitation.to_message(), queue, expires_s=timeout)
 
-    return Hosts(spec.resources.num_nodes, settings.node_address, job_id, attempt, timeout, invite)
+    secret = node_secret(settings.resolved_artifacts_dir)
+    return Hosts(spec.resources.num_nodes, settings.node_address, job_id, attempt, timeout, invite, secret=secret)
 
 
 def _lost(job_id: str, attempt: int, settings: Settings, message: str) -> Ending:

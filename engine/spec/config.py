@@ -727,7 +727,7 @@ class Resources(_Strict):
     its share of every batch, so they must divide by that."""
     num_nodes: Annotated[int, Field(ge=1, le=64)] = 1
     """Hosts the job trains on, each with ``num_processes`` processes: the worker that claims the job asks
-    ``num_nodes - 1`` more train workers of its queue to join (torchrun's c10d rendezvous) and stays the only one
+    ``num_nodes - 1`` more train workers of its queue to join (through its authenticated channel) and stays the only one
     that writes to the database. The hosts must share the data folder (checkpoints are written by every host)."""
     sharding: Literal["ddp", "fsdp"] = "ddp"
     """How the processes hold the models. ``ddp``: each a whole copy of every model, its gradients and optimizer

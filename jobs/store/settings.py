@@ -114,7 +114,7 @@ class Settings(BaseSettings):
     """Runs of a job (the first plus retries after a lost worker) before it fails with ``worker_lost``."""
     node_address: str = "127.0.0.1"
     """This worker's address on the network its hosts share, for jobs across hosts (``resources.num_nodes``): the
-    other hosts' ranks reach the claiming worker there, and torchrun's rendezvous and process group bind to it.
+    other hosts' workers and ranks reach the claiming worker's channel there (jobs/channel.py).
     The default takes jobs across hosts on this machine only."""
     vllm_python: str | None = None
     """The python of a separate environment with vLLM installed (``RLHF_VLLM_PYTHON``, e.g.
@@ -126,9 +126,10 @@ class Settings(BaseSettings):
     model, and ``--logprobs-mode processed_logprobs``. Taken before ``vllm_python``."""
     vllm_start_timeout_seconds: float = Field(default=600, gt=0)
     """How long a job waits for the vLLM server it started to answer (``rollout_engine_failed`` after)."""
-    join_timeout_seconds: float = Field(default=600, gt=0)
+    join_timeout_seconds: float = Field(default=60, gt=0)
     """How long a job across hosts waits for its other hosts' train workers to join it before it fails
-    (``hosts_unavailable``)."""
+    (``hosts_unavailable``). An idle worker of the queue takes an invitation within seconds; while the job waits,
+    nothing of it runs, and the workers that joined are let go the moment it gives up."""
     session_timeout_seconds: int = Field(default=120, ge=1)
     """A training session of the Tinker-compatible API ends (its worker freed, its saved weights kept) once its
     client has sent no heartbeat for this long; the SDK sends one every 10 s. It ends ``cancelled`` with error code
