@@ -10,7 +10,7 @@ import time
 from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Depends, Header, Request, Security
+from fastapi import APIRouter, Depends, Header, Query, Request, Security
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import APIKeyHeader
 
@@ -18,6 +18,7 @@ from api.deps import EnqueueDep, SettingsDep
 from api.errors import ApiError
 from api.services import sessions as service
 from api.tinker_schemas import (
+    SEQ_MAX,
     CancelFutureRequest,
     ClientConfigRequest,
     CreateModelRequest,
@@ -63,6 +64,8 @@ def tinker_project(
 
 
 TinkerProject = Annotated[Project, Depends(tinker_project)]
+Offset = Annotated[int, Query(ge=0, le=SEQ_MAX)]
+"""A listing's offset: a 4xx past what a database offset takes."""
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
 
@@ -125,10 +128,10 @@ def finish_session(session_id: str, body: FinishSessionRequest, settings: Settin
 
 
 @router.get("/sessions")
-def list_sessions(settings: SettingsDep, project: TinkerProject, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+def list_sessions(settings: SettingsDep, project: TinkerProject, limit: int = 20, offset: Offset = 0) -> dict[str, Any]:
     with _db(settings) as session:
         ids = sessions.list_session_ids(session, project_id=project.id, limit=min(max(limit, 1), 100),
-                                        offset=max(offset, 0))  # fmt: skip
+                                        offset=offset)  # fmt: skip
     return {"sessions": ids}
 
 
@@ -277,8 +280,8 @@ def cancel_future(body: CancelFutureRequest, settings: SettingsDep, project: Tin
 
 
 @router.get("/training_runs")
-def training_runs(settings: SettingsDep, project: TinkerProject, limit: int = 20, offset: int = 0) -> dict[str, Any]:
-    limit, offset = min(max(limit, 1), 100), max(offset, 0)
+def training_runs(settings: SettingsDep, project: TinkerProject, limit: int = 20, offset: Offset = 0) -> dict[str, Any]:
+    limit = min(max(limit, 1), 100)
     with _db(settings) as session:
         models, total = sessions.list_models(session, project_id=project.id, limit=limit, offset=offset)
         runs = [service.training_run(session, project, model) for model in models]
@@ -304,8 +307,9 @@ def run_checkpoints(run_id: str, settings: SettingsDep, project: TinkerProject) 
 
 
 @router.get("/checkpoints")
-def all_checkpoints(settings: SettingsDep, project: TinkerProject, limit: int = 100, offset: int = 0) -> dict[str, Any]:
-    limit, offset = min(max(limit, 1), 1000), max(offset, 0)
+def all_checkpoints(settings: SettingsDep, project: TinkerProject, limit: int = 100,
+                    offset: Offset = 0) -> dict[str, Any]:  # fmt: skip
+    limit = min(max(limit, 1), 1000)
     with _db(settings) as session:
         rows, total = sessions.list_checkpoints(session, project_id=project.id, limit=limit, offset=offset)
         return {"checkpoints": [service.checkpoint_view(row) for row in rows],

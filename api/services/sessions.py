@@ -32,7 +32,7 @@ from jobs.store.models import (
     SessionRequest,
     TrainingSession,
 )
-from jobs.store.refs import SpecReferenceError, resolve_model
+from jobs.store.refs import SpecReferenceError, job_dir, resolve_model
 from jobs.store.settings import Settings
 
 KEY_PREFIX = "tml-"
@@ -369,12 +369,21 @@ def delete_checkpoint(session: Session, settings: Settings, project: Project, ru
     if row.step is not None:
         raise ApiError(400, "invalid_request", "sampler weights are a checkpoint of the session's job: they stay "
                        "while the job does (delete the job to remove them)")  # fmt: skip
-    _remove_folder(settings.resolved_artifacts_dir / row.path)
+    folder = own_folder(settings, row)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
     sessions.delete_checkpoint(session, row=row)
 
 
-def _remove_folder(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def own_folder(settings: Settings, row: SessionCheckpoint) -> Path | None:
+    """The folder of saved weights ``row``, or None when its recorded path is not a folder of that checkpoint
+    alone: one named by the checkpoint's name, inside its session's folder (a row an earlier version let in,
+    named ``..``, pointed at the folder of every model's saved weights)."""
+    session_dir = job_dir(settings.resolved_artifacts_dir, row.session_id).resolve()
+    folder = (settings.resolved_artifacts_dir / row.path).resolve()
+    if not row.name.strip(".") or folder.name != row.name or not folder.is_relative_to(session_dir):
+        return None
+    return folder
 
 
 def _iso(when: datetime) -> str:

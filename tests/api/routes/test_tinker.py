@@ -249,3 +249,62 @@ def test_every_tinker_route_keeps_another_projects_sessions_models_and_weights_o
         assert [(r.kind, r.seq_id) for r in sessions.pending_requests(session, session_id=session_id)] == [
             ("create_model", 0)
         ]
+
+
+def test_weights_named_only_by_dots_are_refused_and_a_delete_removes_its_checkpoint_alone(
+    api: TestClient, project: Project, settings: Settings
+) -> None:
+    session_id = session_of(api)
+    model_id = create_model(api, session_id)["model_id"]
+    for seq_id, name in enumerate((".", "..", "...", "a/b", ""), start=1):
+        for route in ("save_weights", "save_weights_for_sampler"):
+            refused = api.post(f"/api/v1/{route}", json={"model_id": model_id, "seq_id": seq_id, "path": name})
+            assert refused.status_code in (400, 422) and refused.json()["error"]["param"] == "path", refused.text
+    # rows an earlier version let in: ".." stood for the folder of every model's saved weights
+    weights = settings.resolved_artifacts_dir / "jobs" / session_id / "weights"
+    for folder in (weights / "0" / "mine", weights / "1" / "theirs"):
+        folder.mkdir(parents=True)
+        (folder / "state.pt").write_bytes(b"w")
+    with session_scope(settings.resolved_database_url) as session:
+        for name, path in (("mine", "0/mine"), ("..", "0/.."), ("theirs", "1/theirs")):
+            sessions.add_checkpoint(session, session_id=session_id, project_id=project.id, model_id=model_id,
+                                    kind="weights", name=name, path=f"jobs/{session_id}/weights/{path}", step=None,
+                                    size_bytes=1)  # fmt: skip
+    assert api.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights/%2E%2E").status_code == 200
+    assert (weights / "0" / "mine" / "state.pt").exists() and (weights / "1" / "theirs" / "state.pt").exists()
+    assert api.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights/mine").status_code == 200
+    assert not (weights / "0" / "mine").exists() and (weights / "1" / "theirs" / "state.pt").exists()
+    listed = api.get(f"/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+    assert [c["checkpoint_id"] for c in listed] == ["weights/theirs"]
+
+
+def test_integers_past_their_range_and_sampling_params_of_the_wrong_type_are_4xx_naming_the_field(
+    api: TestClient,
+) -> None:
+    session_id = session_of(api)
+    model_id = create_model(api, session_id)["model_id"]
+    sampler = api.post("/api/v1/create_sampling_session", json={"session_id": session_id, "sampling_session_seq_id": 0,
+                                                                "base_model": "builtin:tiny"})  # fmt: skip
+    sampler_id = sampler.json()["sampling_session_id"]
+    huge = 2**63
+    calls = [
+        ("/api/v1/optim_step", {"model_id": model_id, "seq_id": huge, "adam_params": {}}, "seq_id"),
+        ("/api/v1/save_weights", {"model_id": model_id, "seq_id": huge, "path": "a"}, "seq_id"),
+        ("/api/v1/create_model", {"session_id": session_id, "model_seq_id": huge, "base_model": "builtin:tiny"},
+         "model_seq_id"),
+        ("/api/v1/asample", {"sampling_session_id": sampler_id, "seq_id": huge, "prompt": {"chunks": []},
+                             "sampling_params": {}}, "seq_id"),
+    ]  # fmt: skip
+    for field, value in (("max_tokens", "many"), ("temperature", "hot"), ("seed", 2**64), ("stop", {"a": 1}),
+                         ("top_k", [1]), ("top_p", "x"), ("max_tokens", huge)):  # fmt: skip
+        body = {"sampling_session_id": sampler_id, "seq_id": 1, "prompt": {"chunks": []},
+                "sampling_params": {field: value}}  # fmt: skip
+        calls.append(("/api/v1/asample", body, f"sampling_params.{field}"))
+    for path, body, field in calls:
+        answer = api.post(path, json=body)
+        assert 400 <= answer.status_code < 500, (path, body, answer.text)
+        assert answer.json()["error"]["param"] == field, (path, body, answer.text)
+    for path in ("/api/v1/training_runs", "/api/v1/checkpoints", "/api/v1/sessions"):
+        answer = api.get(path, params={"offset": huge})
+        assert 400 <= answer.status_code < 500 and answer.json()["error"]["param"] == "offset", (path, answer.text)
+        assert api.get(path, params={"limit": huge}).status_code == 200  # a limit past the page size is the page
