@@ -22,14 +22,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from engine.core.checkpoint import list_checkpoints, save_checkpoint
 from engine.core.models import ModelNotFoundError, context_length, load_causal_lm, load_tokenizer, pick_device
 from engine.session.errors import UserError
+from engine.session.losses import find_loss
 from engine.session.models import Lora, TrainingModel
 from engine.session.sampler import SamplingParams, check_prompt, sample
 from engine.session.wire import decode_datums, encode_forward_backward_output, encode_sample_response, loss_config
-from engine.spec.tinker_proto import ForwardBackwardRequest
+from engine.spec.tinker_proto import TooLarge, parse_stored
 from jobs.runner import DbCallbacks, Ending, Outcome, cancelled, failed, handed_back, in_transaction
 from jobs.store import crud, sessions
 from jobs.store.models import ACTIVE_STATUSES, SessionRequest, TrainingSession, utcnow
-from jobs.store.settings import Settings
+from jobs.store.settings import SESSION_BOUNDS, Settings
 
 log = logging.getLogger(__name__)
 
@@ -202,10 +203,16 @@ class SessionWorker:
         return self._forward_backward(request)
 
     def _forward_backward(self, request: SessionRequest) -> tuple[bytes, str]:
-        message = ForwardBackwardRequest.FromString(request.payload)
+        """The stored body decompressed, its input names and dense elements checked before any tensor is made."""
+        try:
+            message = parse_stored(request.payload, max_bytes=self.settings.session_max_body_bytes)
+            loss = find_loss(message.loss_fn)
+            datums = decode_datums(message, budget=self.settings.session_budget, inputs=loss.required + loss.optional)
+        except TooLarge as e:
+            raise UserError(f"{e} ({SESSION_BOUNDS[e.bound]})") from None
         backward = request.kind == "forward_backward"
-        outputs, metrics = self._model(request).forward_backward(decode_datums(message), message.loss_fn,
-                                                                 loss_config(message), backward=backward)  # fmt: skip
+        outputs, metrics = self._model(request).forward_backward(datums, message.loss_fn, loss_config(message),
+                                                                 backward=backward)  # fmt: skip
         if backward:
             for name, value in metrics.items():
                 self.gathered[name] = self.gathered.get(name, 0.0) + value

@@ -174,7 +174,7 @@ async def forward_backward(request: Request, settings: SettingsDep, project: Tin
 
     def store() -> Future:
         with _db(settings) as session:
-            return service.forward_backward(session, project, body, encoding, max_bytes=16 * settings.max_request_bytes)
+            return service.forward_backward(session, settings, project, body, encoding)
 
     return await anyio.to_thread.run_sync(store)
 
@@ -182,14 +182,14 @@ async def forward_backward(request: Request, settings: SettingsDep, project: Tin
 @router.post("/optim_step")
 def optim_step(body: OptimStepRequest, settings: SettingsDep, project: TinkerProject) -> Future:
     with _db(settings) as session:
-        return service.model_operation(session, project, model_id=body.model_id, seq_id=body.seq_id,
+        return service.model_operation(session, settings, project, model_id=body.model_id, seq_id=body.seq_id,
                                        kind="optim_step", payload=body.model_dump_json().encode())  # fmt: skip
 
 
 @router.post("/save_weights")
 def save_weights(body: SaveWeightsRequest, settings: SettingsDep, project: TinkerProject) -> Future:
     with _db(settings) as session:
-        return service.model_operation(session, project, model_id=body.model_id, seq_id=body.seq_id,
+        return service.model_operation(session, settings, project, model_id=body.model_id, seq_id=body.seq_id,
                                        kind="save_weights", payload=body.model_dump_json().encode())  # fmt: skip
 
 
@@ -199,14 +199,14 @@ def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, settings: Setti
     if body.path is None and body.sampling_session_seq_id is None:
         raise ApiError(400, "invalid_request", "give a path (a name) or a sampling_session_seq_id")
     with _db(settings) as session:
-        return service.save_for_sampler(session, project, model_id=body.model_id, seq_id=body.seq_id,
+        return service.save_for_sampler(session, settings, project, model_id=body.model_id, seq_id=body.seq_id,
                                         sampling_session_seq_id=body.sampling_session_seq_id, body=body)  # fmt: skip
 
 
 @router.post("/load_weights")
 def load_weights(body: LoadWeightsRequest, settings: SettingsDep, project: TinkerProject) -> Future:
     with _db(settings) as session:
-        return service.load_weights(session, project, path=body.path, optimizer=body.optimizer,
+        return service.load_weights(session, settings, project, path=body.path, optimizer=body.optimizer,
                                     model_id=body.model_id, seq_id=body.seq_id, session_id=body.session_id,
                                     model_seq_id=body.model_seq_id, user_metadata=body.user_metadata or {})  # fmt: skip
 
@@ -236,7 +236,7 @@ def get_sampler(sampler_id: str, settings: SettingsDep, project: TinkerProject) 
 @router.post("/asample")
 def asample(body: SampleRequest, settings: SettingsDep, project: TinkerProject) -> Future:
     with _db(settings) as session:
-        return service.sample(session, project, sampler_id=body.sampling_session_id, seq_id=body.seq_id,
+        return service.sample(session, settings, project, sampler_id=body.sampling_session_id, seq_id=body.seq_id,
                               num_samples=body.num_samples, body=body)  # fmt: skip
 
 

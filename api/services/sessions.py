@@ -20,7 +20,7 @@ from api.errors import ApiError
 from api.services.jobs import send_created
 from api.tinker_schemas import SUPPORTED_SDK, Future
 from engine import builtin
-from engine.spec.tinker_proto import WireError, parse_forward_backward
+from engine.spec.tinker_proto import TooLarge, WireError, check_elements, parse_forward_backward, stored_body
 from jobs.store import crud, sessions
 from jobs.store.models import (
     FINAL_STATUSES,
@@ -33,7 +33,7 @@ from jobs.store.models import (
     TrainingSession,
 )
 from jobs.store.refs import SpecReferenceError, job_dir, resolve_model
-from jobs.store.settings import Settings
+from jobs.store.settings import SESSION_BOUNDS, Settings
 
 KEY_PREFIX = "tml-"
 """The SDK refuses keys without it: a project key ``K`` is given to it as ``tml-K``."""
@@ -135,7 +135,17 @@ def heartbeat(session: Session, project: Project, session_id: str) -> None:
 # --- requests ------------------------------------------------------------------------------------
 
 
-def _submit(session: Session, job: Job, target: str, seq_id: int, kind: str, payload: bytes) -> SessionRequest:
+def _submit(
+    session: Session, settings: Settings, job: Job, target: str, seq_id: int, kind: str, payload: bytes
+) -> SessionRequest:
+    """Store a request for the session's worker; the one already stored for (target, seq_id) when the SDK sends it
+    again. 429 for a new one past ``session_max_pending_requests`` waiting (the SDK retries it)."""
+    if sessions.request_at(session, target=target, seq_id=seq_id) is None:
+        pending = sessions.count_pending(session, session_id=job.id)
+        if pending >= settings.session_max_pending_requests:
+            raise ApiError(429, "too_many_pending_requests", f"session {job.id} has {pending} requests waiting for "
+                           f"its worker, the most a session may have (RLHF_SESSION_MAX_PENDING_REQUESTS); send more "
+                           "once some have run")  # fmt: skip
     request, _ = sessions.add_request(session, session_id=job.id, project_id=job.project_id, target=target,
                                       seq_id=seq_id, kind=kind, payload=payload)  # fmt: skip
     sessions.beat(session, session_id=job.id)  # a client that sends work is alive
@@ -166,34 +176,40 @@ def create_model(
     model = sessions.add_model(session, session_id=job.id, project_id=project.id, seq=model_seq_id,
                                base_model=base_model, lora_rank=lora["rank"] if lora else None,
                                info={"lora": lora}, user_metadata=user_metadata)  # fmt: skip
-    request = _submit(session, job, model.id, 0, "create_model", _json(body, resolved=resolved))
+    request = _submit(session, settings, job, model.id, 0, "create_model", _json(body, resolved=resolved))
     return Future(request_id=request.id, model_id=model.id)
 
 
 def model_operation(
-    session: Session, project: Project, *, model_id: str, seq_id: int, kind: str, payload: bytes
+    session: Session, settings: Settings, project: Project, *, model_id: str, seq_id: int, kind: str, payload: bytes
 ) -> Future:
     """Store an operation on a model (forward/backward, optimizer step, saves, loads) in its place."""
     model, job = model_of(session, project, model_id)
-    request = _submit(session, job, model.id, seq_id, kind, payload)
+    request = _submit(session, settings, job, model.id, seq_id, kind, payload)
     return Future(request_id=request.id, model_id=model.id)
 
 
-def forward_backward(session: Session, project: Project, body: bytes, content_encoding: str | None,
-                     max_bytes: int) -> Future:  # fmt: skip
-    """A forward (``forward_only``) or forward/backward: its protobuf body, decompressed, is the payload."""
+def forward_backward(
+    session: Session, settings: Settings, project: Project, body: bytes, content_encoding: str | None
+) -> Future:
+    """A forward (``forward_only``) or forward/backward: its protobuf body, decompressed within
+    ``session_max_body_bytes`` and its datums' dense elements counted within the session budget before it is
+    stored, compressed (the worker decompresses it again)."""
     try:
-        message = parse_forward_backward(body, content_encoding, max_bytes=max_bytes)
+        message = parse_forward_backward(body, content_encoding, max_bytes=settings.session_max_body_bytes)
+        check_elements(message, settings.session_budget)
+    except TooLarge as e:
+        raise ApiError(413, "request_too_large", f"{e} ({SESSION_BOUNDS[e.bound]})") from None
     except WireError as e:
         raise ApiError(400, "invalid_request", str(e)) from None
     kind = "forward" if message.forward_only else "forward_backward"
     if message.seq_id < 1:
         raise ApiError(400, "invalid_request", f"seq_id must be at least 1, not {message.seq_id}", param="seq_id")
-    return model_operation(session, project, model_id=message.model_id, seq_id=message.seq_id, kind=kind,
-                           payload=message.SerializeToString())  # fmt: skip
+    return model_operation(session, settings, project, model_id=message.model_id, seq_id=message.seq_id, kind=kind,
+                           payload=stored_body(body, content_encoding))  # fmt: skip
 
 
-def save_for_sampler(session: Session, project: Project, *, model_id: str, seq_id: int,
+def save_for_sampler(session: Session, settings: Settings, project: Project, *, model_id: str, seq_id: int,
                      sampling_session_seq_id: int | None, body: BaseModel) -> Future:  # fmt: skip
     """Saved sampler weights; without a name, a sampler of the session on them (the SDK's
     ``save_weights_and_get_sampling_client``), whose id the result gives."""
@@ -203,11 +219,13 @@ def save_for_sampler(session: Session, project: Project, *, model_id: str, seq_i
         sampler = sessions.add_sampler(session, session_id=job.id, project_id=project.id,
                                        seq=sampling_session_seq_id, base_model=model.base_model, model_path=None,
                                        folder=None).id  # fmt: skip
-    request = _submit(session, job, model.id, seq_id, "save_weights_for_sampler", _json(body, sampler_id=sampler))
+    request = _submit(session, settings, job, model.id, seq_id, "save_weights_for_sampler",
+                      _json(body, sampler_id=sampler))  # fmt: skip
     return Future(request_id=request.id, model_id=model.id)
 
 
-def load_weights(session: Session, project: Project, *, path: str, optimizer: bool, model_id: str | None,
+def load_weights(session: Session, settings: Settings, project: Project, *, path: str, optimizer: bool,
+                 model_id: str | None,
                  seq_id: int | None, session_id: str | None, model_seq_id: int | None,
                  user_metadata: dict[str, Any]) -> Future:  # fmt: skip
     """Saved training weights loaded into a model of the session, or into a new one created from them."""
@@ -216,7 +234,7 @@ def load_weights(session: Session, project: Project, *, path: str, optimizer: bo
     assert source is not None
     payload = json.dumps({"path": path, "folder": checkpoint.path, "optimizer": optimizer}).encode()
     if model_id is not None and seq_id is not None:
-        return model_operation(session, project, model_id=model_id, seq_id=seq_id, kind="load_weights",
+        return model_operation(session, settings, project, model_id=model_id, seq_id=seq_id, kind="load_weights",
                                payload=payload)  # fmt: skip
     if session_id is None or model_seq_id is None:
         raise ApiError(400, "invalid_request", "load_weights needs model_id and seq_id, or session_id and model_seq_id")
@@ -227,7 +245,7 @@ def load_weights(session: Session, project: Project, *, path: str, optimizer: bo
     resolved = json.loads(_request_payload(session, source))["resolved"]
     payload = json.dumps({"path": path, "folder": checkpoint.path, "optimizer": optimizer, "resolved": resolved,
                           "lora": source.info.get("lora")}).encode()  # fmt: skip
-    request = _submit(session, job, model.id, 0, "create_model", payload)
+    request = _submit(session, settings, job, model.id, 0, "create_model", payload)
     return Future(request_id=request.id, model_id=model.id)
 
 
@@ -259,13 +277,13 @@ def create_sampler(session: Session, settings: Settings, project: Project, *, se
                                 model_path=None, folder=resolved)  # fmt: skip
 
 
-def sample(session: Session, project: Project, *, sampler_id: str, seq_id: int, num_samples: int,
+def sample(session: Session, settings: Settings, project: Project, *, sampler_id: str, seq_id: int, num_samples: int,
            body: BaseModel) -> Future:  # fmt: skip
     sampler = sessions.get_sampler(session, sampler_id=sampler_id, project_id=project.id)
     if sampler is None:
         raise ApiError(404, "not_found", f"no sampling session {sampler_id[:120]!r}")
     job = live_session(session, project, sampler.session_id)
-    request = _submit(session, job, sampler.id, seq_id, "sample", _json(body))
+    request = _submit(session, settings, job, sampler.id, seq_id, "sample", _json(body))
     return Future(request_id=request.id, sample_sequence_ids=[f"{request.id}-{i}" for i in range(num_samples)])
 
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -196,6 +196,12 @@ def pending_requests(session: Session, *, session_id: str) -> list[SessionReques
     """The session's requests not started yet, oldest first."""
     stmt = select(SessionRequest).where(SessionRequest.session_id == session_id, SessionRequest.status == "pending")
     return list(session.scalars(stmt.order_by(SessionRequest.created_at, SessionRequest.id)))
+
+
+def count_pending(session: Session, *, session_id: str) -> int:
+    """How many of the session's requests wait for its worker."""
+    stmt = select(func.count()).where(SessionRequest.session_id == session_id, SessionRequest.status == "pending")
+    return int(session.scalar(stmt) or 0)
 
 
 def start_request(session: Session, *, request_id: str) -> bool:

@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.rewards.judge import Endpoint
 from engine.spec.config import TrackingBackend
+from engine.spec.tinker_proto import DEFAULT_BUDGET, Bound, ElementBudget
 
 
 class JudgeSetting(BaseModel):
@@ -129,6 +130,19 @@ class Settings(BaseSettings):
     session_timeout_seconds: int = Field(default=120, ge=1)
     """A training session of the Tinker-compatible API ends (its worker freed, its saved weights kept) once its
     client has sent no heartbeat for this long; the SDK sends one every 10 s."""
+    session_max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    """The largest forward/forward_backward body of a training session once decompressed (its zstd is read with
+    this bound, so a small body never inflates past it): more is refused (413, ``request_too_large``). Bodies are
+    kept compressed until the worker runs them."""
+    session_max_datum_elements: int = Field(default=DEFAULT_BUDGET.datum, ge=1)
+    """The most elements one datum of a forward/forward_backward may carry once dense: its tokens and every
+    ``loss_fn_inputs`` tensor, a sparse one counted by its shape (what the worker would allocate). More: 413."""
+    session_max_request_elements: int = Field(default=DEFAULT_BUDGET.request, ge=1)
+    """The same over all the datums of one request. The API checks both before it stores a request, the worker
+    again before it decodes one."""
+    session_max_pending_requests: int = Field(default=256, ge=1)
+    """The most requests of one training session waiting for its worker: a new one past it is refused (429,
+    ``too_many_pending_requests``), which the SDK retries until earlier ones have run."""
     resend_seconds: int = Field(default=600, ge=1)
     """A queued job no worker has claimed this long after its message went to the broker is sent again, once per
     this many seconds (a message the broker lost; a duplicate is a no-op, the claim being guarded). A job whose
@@ -158,6 +172,11 @@ class Settings(BaseSettings):
     """API key for the client commands; default: ``data_dir/api-key``."""
     visibility_timeout_seconds: int = 7 * 24 * 3600
     """Redis visibility timeout: longer than any job, so a running job is never redelivered."""
+
+    @property
+    def session_budget(self) -> ElementBudget:
+        """The dense elements a training session's forward/forward_backward may carry."""
+        return ElementBudget(datum=self.session_max_datum_elements, request=self.session_max_request_elements)
 
     @property
     def resolved_database_url(self) -> str:
@@ -204,6 +223,14 @@ class Settings(BaseSettings):
             raise ValueError(
                 "production needs RLHF_DATABASE_URL and RLHF_BROKER_URL; the SQLite defaults are for one machine"
             )
+
+
+SESSION_BOUNDS: dict[Bound, str] = {
+    "body": "RLHF_SESSION_MAX_BODY_BYTES",
+    "datum": "RLHF_SESSION_MAX_DATUM_ELEMENTS",
+    "request": "RLHF_SESSION_MAX_REQUEST_ELEMENTS",
+}
+"""The setting behind each bound of a forward_backward body, named in the error of a body past it."""
 
 
 @lru_cache

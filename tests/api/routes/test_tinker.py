@@ -6,11 +6,13 @@ import json
 from typing import Any
 
 import pytest
+import zstandard
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
+from api.main import create_app
 from api.routes import tinker as routes
 from jobs.store import sessions
 from jobs.store.db import session_scope
@@ -308,3 +310,88 @@ def test_integers_past_their_range_and_sampling_params_of_the_wrong_type_are_4xx
         answer = api.get(path, params={"offset": huge})
         assert 400 <= answer.status_code < 500 and answer.json()["error"]["param"] == "offset", (path, answer.text)
         assert api.get(path, params={"limit": huge}).status_code == 200  # a limit past the page size is the page
+
+
+def fwdbwd_body(model_id: str, seq_id: int, data: list[types.Datum]) -> Any:
+    """The SDK's protobuf of a forward_backward of ``data`` (a message, to change before it is serialized)."""
+    return forward_backward_request_to_proto(types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+        model_id=model_id, seq_id=seq_id,
+    ))  # fmt: skip
+
+
+def a_datum(n: int = 3) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(list(range(1, n + 1))),
+                       loss_fn_inputs={"target_tokens": list(range(2, n + 2)), "weights": [1.0] * n})  # fmt: skip
+
+
+def test_a_forward_backward_past_the_dense_element_budget_is_refused_before_it_is_stored(
+    settings: Settings, project: Project, calls: Calls
+) -> None:
+    bounded = settings.model_copy(update={"session_max_datum_elements": 100, "session_max_request_elements": 250})
+    api = TestClient(create_app(bounded, enqueue=calls.enqueue, recovery_interval=None), headers=headers(project))
+    session_id = session_of(api)
+    model_id = create_model(api, session_id)["model_id"]
+    proto = {"Content-Type": "application/x-protobuf"}
+    fits = fwdbwd_body(model_id, 1, [a_datum(30)] * 2)  # 90 elements a datum, 180 in all
+    assert api.post("/api/v1/forward_backward", content=fits.SerializeToString(), headers=proto).status_code == 200
+    too_many = fwdbwd_body(model_id, 2, [a_datum(30)] * 3)  # 270 in all
+    refused = api.post("/api/v1/forward_backward", content=too_many.SerializeToString(), headers=proto)
+    assert (refused.status_code, refused.json()["error"]["code"]) == (413, "request_too_large")
+    assert "RLHF_SESSION_MAX_REQUEST_ELEMENTS" in refused.json()["error"]["message"]
+    # the probe's body: 16 empty sparse int64 tensors of shape (1, 2^26), 512 MiB apiece once dense
+    sparse = fwdbwd_body(model_id, 2, [a_datum()])
+    for name in [f"extra{i}" for i in range(16)]:
+        tensor = sparse.data[0].loss_fn_inputs[name]
+        tensor.dtype, tensor.shape[:] = 2, [1, 1 << 26]
+        tensor.sparse_csr.crow_indices = b"\x00" * 16
+    body = sparse.SerializeToString()
+    assert len(body) < 1024
+    refused = api.post("/api/v1/forward_backward", content=body, headers=proto)
+    assert (refused.status_code, refused.json()["error"]["code"]) == (413, "request_too_large")
+    assert "data[0]" in refused.json()["error"]["message"]
+    assert "RLHF_SESSION_MAX_DATUM_ELEMENTS" in refused.json()["error"]["message"]
+    with session_scope(settings.resolved_database_url) as session:
+        stored = sessions.pending_requests(session, session_id=session_id)
+    assert [(r.kind, r.seq_id) for r in stored] == [("create_model", 0), ("forward_backward", 1)]
+
+
+def test_forward_backward_bodies_are_bounded_decompressed_and_kept_compressed(
+    settings: Settings, project: Project, calls: Calls
+) -> None:
+    bounded = settings.model_copy(update={"session_max_body_bytes": 64 * 1024})
+    api = TestClient(create_app(bounded, enqueue=calls.enqueue, recovery_interval=None), headers=headers(project))
+    session_id = session_of(api)
+    model_id = create_model(api, session_id)["model_id"]
+    zstd = {"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
+    bomb = zstandard.ZstdCompressor().compress(b"\x00" * (16 * 1024 * 1024))  # a few KB, 16 MiB inside
+    assert len(bomb) < 4096
+    refused = api.post("/api/v1/forward_backward", content=bomb, headers=zstd)
+    assert (refused.status_code, refused.json()["error"]["code"]) == (413, "request_too_large")
+    assert "RLHF_SESSION_MAX_BODY_BYTES" in refused.json()["error"]["message"]
+    plain = fwdbwd_body(model_id, 1, [a_datum(200)] * 8).SerializeToString()
+    compressed = zstandard.ZstdCompressor().compress(fwdbwd_body(model_id, 2, [a_datum(200)] * 8).SerializeToString())
+    assert api.post("/api/v1/forward_backward", content=plain, headers={"Content-Type": "application/x-protobuf"})
+    assert api.post("/api/v1/forward_backward", content=compressed, headers=zstd).status_code == 200
+    with session_scope(settings.resolved_database_url) as session:
+        stored = {r.seq_id: r.payload for r in sessions.pending_requests(session, session_id=session_id)}
+    assert stored[2] == compressed  # as the client sent it
+    assert len(stored[1]) < len(plain) // 4 and zstandard.ZstdDecompressor().decompress(stored[1]) == plain
+
+
+def test_the_requests_a_session_has_waiting_are_bounded(settings: Settings, project: Project, calls: Calls) -> None:
+    bounded = settings.model_copy(update={"session_max_pending_requests": 2})
+    api = TestClient(create_app(bounded, enqueue=calls.enqueue, recovery_interval=None), headers=headers(project))
+    session_id = session_of(api)
+    future = create_model(api, session_id)
+    step = {"model_id": future["model_id"], "adam_params": {"learning_rate": 1e-3}}
+    first = api.post("/api/v1/optim_step", json={**step, "seq_id": 1})
+    assert first.status_code == 200
+    refused = api.post("/api/v1/optim_step", json={**step, "seq_id": 2})
+    assert (refused.status_code, refused.json()["error"]["code"]) == (429, "too_many_pending_requests")
+    assert "RLHF_SESSION_MAX_PENDING_REQUESTS" in refused.json()["error"]["message"]
+    again = api.post("/api/v1/optim_step", json={**step, "seq_id": 1})  # the SDK's resend is the same request
+    assert (again.status_code, again.json()["request_id"]) == (200, first.json()["request_id"])
+    with session_scope(settings.resolved_database_url) as session:
+        sessions.complete_request(session, request_id=future["request_id"], result=b"{}", result_format="json")
+    assert api.post("/api/v1/optim_step", json={**step, "seq_id": 2}).status_code == 200
