@@ -10,6 +10,8 @@ SUPPORTED_SDK = ("0.38",)
 """The ``tinker`` SDK versions (major.minor) this server speaks; the README says so too."""
 SEQ_MAX = 2**31 - 1
 """The largest ``seq_id`` (and model or sampler number): the SDK's protobuf carries a forward_backward's as int32."""
+TTL_MAX = 10 * 366 * 24 * 3600
+"""The SDK's longest time to live of saved weights: 10 years."""
 
 
 class Request(BaseModel):
@@ -101,6 +103,21 @@ class SaveWeightsForSamplerRequest(ModelRequest):
     path: CheckpointName | None = None
     sampling_session_seq_id: int | None = Field(default=None, ge=0, le=SEQ_MAX)
     seq_id: int = Field(ge=1, le=SEQ_MAX)
+
+
+class SaveWeightsExternalRequest(ModelRequest):
+    """The weights in Hugging Face's format (with LoRA, the PEFT adapter), for ``tinker checkpoint download``."""
+
+    path: CheckpointName
+    seq_id: int = Field(ge=1, le=SEQ_MAX)
+    ttl_seconds: int | None = Field(default=None, ge=3600, le=TTL_MAX)
+    """Accepted; this server keeps saved weights until they are deleted."""
+    age_encryption_recipients: list[str] | None = Field(default=None, max_length=0)
+    """Files encrypted with age are not offered by this server: none or an empty list."""
+
+
+class TtlRequest(Request):
+    ttl_seconds: int | None = Field(ge=3600, le=TTL_MAX)
 
 
 class LoadWeightsRequest(Request):

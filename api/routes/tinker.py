@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Depends, Header, Query, Request, Security
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.security import APIKeyHeader
 
 from api.deps import EnqueueDep, SettingsDep
@@ -31,9 +31,11 @@ from api.tinker_schemas import (
     OptimStepRequest,
     RetrieveFutureRequest,
     SampleRequest,
+    SaveWeightsExternalRequest,
     SaveWeightsForSamplerRequest,
     SaveWeightsRequest,
     SessionHeartbeatRequest,
+    TtlRequest,
     WeightsInfoRequest,
 )
 from jobs.store import sessions
@@ -203,6 +205,23 @@ def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, settings: Setti
                                         sampling_session_seq_id=body.sampling_session_seq_id, body=body)  # fmt: skip
 
 
+@router.post("/save_weights_external")
+def save_weights_external(body: SaveWeightsExternalRequest, settings: SettingsDep, project: TinkerProject) -> Future:
+    """The weights as a Hugging Face folder (LoRA: the PEFT adapter; else the model), ``external_weights/<name>``,
+    whose files download by the URLs of ``external_weights_urls``."""
+    payload = body.model_dump_json().encode()
+    with _db(settings) as session:
+        return service.model_operation(
+            session,
+            settings,
+            project,
+            model_id=body.model_id,
+            seq_id=body.seq_id,
+            kind="save_weights_external",
+            payload=payload,
+        )
+
+
 @router.post("/load_weights")
 def load_weights(body: LoadWeightsRequest, settings: SettingsDep, project: TinkerProject) -> Future:
     with _db(settings) as session:
@@ -320,6 +339,50 @@ def all_checkpoints(settings: SettingsDep, project: TinkerProject, limit: int = 
 def delete_checkpoint(run_id: str, kind: str, name: str, settings: SettingsDep, project: TinkerProject) -> None:
     with _db(settings) as session:
         service.delete_checkpoint(session, settings, project, run_id[:120], f"{kind}/{name}")
+
+
+@router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
+def set_checkpoint_ttl(
+    run_id: str, kind: str, name: str, body: TtlRequest, settings: SettingsDep, project: TinkerProject
+) -> None:
+    with _db(settings) as session:
+        service.set_ttl(session, project, run=run_id[:120], kind=kind, name=name)
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
+def external_weights_urls(
+    run_id: str, kind: str, name: str, request: Request, settings: SettingsDep, project: TinkerProject
+) -> dict[str, Any]:
+    """A URL of this server per file of external weights, signed for an hour: they answer without a key."""
+    base_url = str(request.base_url)
+    with _db(settings) as session:
+        return service.external_weights_urls(
+            session, settings, project, run=run_id[:120], kind=kind, name=name, base_url=base_url
+        )
+
+
+Expires = Annotated[int | None, Query(ge=0, le=2**62)]
+Signature = Annotated[str | None, Query(max_length=64)]
+
+
+@router.get("/training_runs/{run_id}/checkpoints/external_weights/{name}/files/{file:path}")
+def external_weights_file(
+    run_id: str,
+    name: str,
+    file: str,
+    settings: SettingsDep,
+    key: Annotated[str | None, Security(API_KEY)] = None,
+    expires: Expires = None,
+    signature: Signature = None,
+) -> FileResponse:
+    """One file of external weights, streamed: for the owner's key, or without a key for a URL that
+    ``external_weights_urls`` signed and that has not expired."""
+    with _db(settings) as session:
+        project = service.project_for_key(session, key) if key is not None else None
+        path = service.external_weights_file(
+            session, settings, project, run=run_id, name=name, file=file, expires=expires, signature=signature
+        )
+    return FileResponse(path, media_type="application/octet-stream")
 
 
 @router.post("/weights_info")

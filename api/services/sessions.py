@@ -8,16 +8,20 @@ their ``seq_id`` order and stores the result, which ``retrieve_future`` long-pol
 import json
 import re
 import shutil
-from datetime import datetime
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlencode
 
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
+from api import signed_urls
 from api.deps import Enqueue
 from api.errors import ApiError
 from api.services.jobs import send_created
+from api.tar_stream import regular_files
 from api.tinker_schemas import SUPPORTED_SDK, Future
 from engine import builtin
 from engine.spec.tinker_proto import TooLarge, WireError, check_elements, parse_forward_backward, stored_body
@@ -37,8 +41,10 @@ from jobs.store.settings import SESSION_BOUNDS, Settings
 
 KEY_PREFIX = "tml-"
 """The SDK refuses keys without it: a project key ``K`` is given to it as ``tml-K``."""
-CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
+CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 """The middle part of a ``tinker://`` path, and the SDK's name for that kind of checkpoint."""
+EXTERNAL = "external_weights"
+"""Weights in Hugging Face's format (``save_weights_external``), the kind whose files download."""
 _TINKER_PATH = re.compile(r"^tinker://([^/]+)/([a-z_]+)/([^/]+)$")
 
 
@@ -143,9 +149,11 @@ def _submit(
     if sessions.request_at(session, target=target, seq_id=seq_id) is None:
         pending = sessions.count_pending(session, session_id=job.id)
         if pending >= settings.session_max_pending_requests:
-            raise ApiError(429, "too_many_pending_requests", f"session {job.id} has {pending} requests waiting for "
-                           f"its worker, the most a session may have (RLHF_SESSION_MAX_PENDING_REQUESTS); send more "
-                           "once some have run")  # fmt: skip
+            message = (
+                f"session {job.id} has {pending} requests waiting for its worker, the most a session may have "
+                "(RLHF_SESSION_MAX_PENDING_REQUESTS); send more once some have run"
+            )
+            raise ApiError(429, "too_many_pending_requests", message)
     request, _ = sessions.add_request(session, session_id=job.id, project_id=job.project_id, target=target,
                                       seq_id=seq_id, kind=kind, payload=payload)  # fmt: skip
     sessions.beat(session, session_id=job.id)  # a client that sends work is alive
@@ -205,8 +213,10 @@ def forward_backward(
     kind = "forward" if message.forward_only else "forward_backward"
     if message.seq_id < 1:
         raise ApiError(400, "invalid_request", f"seq_id must be at least 1, not {message.seq_id}", param="seq_id")
-    return model_operation(session, settings, project, model_id=message.model_id, seq_id=message.seq_id, kind=kind,
-                           payload=stored_body(body, content_encoding))  # fmt: skip
+    payload = stored_body(body, content_encoding)
+    return model_operation(
+        session, settings, project, model_id=message.model_id, seq_id=message.seq_id, kind=kind, payload=payload
+    )
 
 
 def save_for_sampler(session: Session, settings: Settings, project: Project, *, model_id: str, seq_id: int,
@@ -219,8 +229,8 @@ def save_for_sampler(session: Session, settings: Settings, project: Project, *, 
         sampler = sessions.add_sampler(session, session_id=job.id, project_id=project.id,
                                        seq=sampling_session_seq_id, base_model=model.base_model, model_path=None,
                                        folder=None).id  # fmt: skip
-    request = _submit(session, settings, job, model.id, seq_id, "save_weights_for_sampler",
-                      _json(body, sampler_id=sampler))  # fmt: skip
+    payload = _json(body, sampler_id=sampler)
+    request = _submit(session, settings, job, model.id, seq_id, "save_weights_for_sampler", payload)
     return Future(request_id=request.id, model_id=model.id)
 
 
@@ -406,3 +416,105 @@ def own_folder(settings: Settings, row: SessionCheckpoint) -> Path | None:
 
 def _iso(when: datetime) -> str:
     return when.isoformat()
+
+
+# --- weights out: external weights' files by signed URL ----------------------------------------------------
+
+
+def _external(session: Session, project: Project, run: str, kind: str, name: str) -> SessionCheckpoint:
+    """The caller's external weights; 404 for none, 400 for weights of another kind."""
+    row = sessions.get_checkpoint(session, project_id=project.id, model_id=run, kind=kind, name=name)
+    if row is None:
+        raise ApiError(404, "not_found", f"no checkpoint {kind[:40]}/{name[:200]} of {run[:120]!r}")
+    if kind != EXTERNAL:
+        message = (
+            f"only {EXTERNAL} download by URL, not {kind}; export the weights in Hugging Face's format with "
+            "save_weights_external first (tinker checkpoint download does)"
+        )
+        raise ApiError(400, "invalid_request", message)
+    return row
+
+
+def _files(settings: Settings, row: SessionCheckpoint) -> dict[str, Path]:
+    folder = own_folder(settings, row)
+    return dict(regular_files(folder)) if folder is not None else {}
+
+
+def file_path(run: str, name: str, file: str) -> str:
+    """The path of the route serving file ``file`` of external weights ``name`` of ``run``."""
+    return f"/api/v1/training_runs/{quote(run, safe=':')}/checkpoints/{EXTERNAL}/{quote(name)}/files/{quote(file)}"
+
+
+def _bound_to(row: SessionCheckpoint) -> str:
+    """What a URL's signature binds: this very checkpoint (weights deleted and saved again under the same name
+    are another, as is a row that takes a deleted one's id)."""
+    created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
+    return f"{row.id}:{created.timestamp():.6f}"
+
+
+def external_weights_urls(
+    session: Session, settings: Settings, project: Project, *, run: str, kind: str, name: str, base_url: str
+) -> dict[str, Any]:
+    """A URL of this API per file of the caller's external weights, signed for :data:`signed_urls.TTL_S`: the
+    SDK's ``get_external_weights_urls``, which the CLI's ``checkpoint download`` reads without a key."""
+    row = _external(session, project, run, kind, name)
+    files = _files(settings, row)
+    if not files:
+        raise ApiError(404, "not_found", f"the files of {tinker_path(row)} are gone")
+    key = signed_urls.signing_key(settings.resolved_artifacts_dir)
+    expires = int(time.time()) + signed_urls.TTL_S
+    urls = {}
+    for file in files:
+        path = file_path(row.model_id, row.name, file)
+        query = urlencode({"expires": expires, "signature": signed_urls.signature(key, path, expires, _bound_to(row))})
+        urls[file] = f"{base_url.rstrip('/')}{path}?{query}"
+    return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
+
+
+def external_weights_file(
+    session: Session,
+    settings: Settings,
+    project: Project | None,
+    *,
+    run: str,
+    name: str,
+    file: str,
+    expires: int | None,
+    signature: str | None,
+) -> Path:
+    """The file ``file`` of external weights ``name`` of ``run``, for the project that owns them (``project``, by
+    its key) or, without a key, for a URL signed for them that has not expired; 401 for neither, 404 for a file
+    they do not have."""
+    model = session.get(SessionModel, run[:120])
+    row = None
+    if model is not None:
+        row = sessions.get_checkpoint(session, project_id=model.project_id, model_id=model.id, kind=EXTERNAL, name=name)
+    if project is not None:
+        row = row if row is not None and row.project_id == project.id else None  # another project's: none
+    elif not _signed(settings, row, file_path(run, name, file), expires, signature):
+        message = (
+            "missing API key, or a download URL that is not signed or has expired: ask for new URLs "
+            "(get_external_weights_urls)"
+        )
+        raise ApiError(401, "invalid_api_key", message)
+    found = _files(settings, row).get(file) if row is not None else None
+    if found is None:
+        raise ApiError(404, "not_found", f"no file {file[:200]!r} in external weights {name[:200]!r} of {run[:120]!r}")
+    return found
+
+
+def _signed(
+    settings: Settings, row: SessionCheckpoint | None, path: str, expires: int | None, signature: str | None
+) -> bool:
+    if row is None or expires is None or signature is None:
+        return False
+    key = signed_urls.signing_key(settings.resolved_artifacts_dir)
+    return signed_urls.is_valid(key, path, expires, _bound_to(row), signature, time.time())
+
+
+def set_ttl(session: Session, project: Project, *, run: str, kind: str, name: str) -> None:
+    """The SDK's ``set_checkpoint_ttl``: the checkpoint must be the caller's; this server keeps saved weights until
+    they are deleted, so the time to live is accepted and not applied."""
+    row = sessions.get_checkpoint(session, project_id=project.id, model_id=run, kind=kind, name=name)
+    if row is None:
+        raise ApiError(404, "not_found", f"no checkpoint {kind[:40]}/{name[:200]} of {run[:120]!r}")

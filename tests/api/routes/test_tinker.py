@@ -3,6 +3,7 @@ once per (model, seq_id), futures long-polled, and another project's sessions an
 driving a real server is tests/tinker/test_sdk.py."""
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from api.main import create_app
 from api.routes import tinker as routes
+from api.services import sessions as service
 from jobs.store import sessions
 from jobs.store.db import session_scope
 from jobs.store.settings import Settings
@@ -173,9 +175,13 @@ def test_every_tinker_route_keeps_another_projects_sessions_models_and_weights_o
                                                                 "base_model": "builtin:tiny"})  # fmt: skip
     sampler_id = sampler.json()["sampling_session_id"]
     with session_scope(settings.resolved_database_url) as session:
-        for kind in ("weights", "sampler_weights"):
+        for kind in ("weights", "sampler_weights", "external_weights"):
+            folder = settings.resolved_artifacts_dir / "jobs" / session_id / kind / "0" / "a"
+            folder.mkdir(parents=True)
+            (folder / "config.json").write_text("{}")
             sessions.add_checkpoint(session, session_id=session_id, project_id=project.id, model_id=model_id,
-                                    kind=kind, name="a", path=f"sessions/{kind}", step=None, size_bytes=1)  # fmt: skip
+                                    kind=kind, name="a", path=f"jobs/{session_id}/{kind}/0/a", step=None,
+                                    size_bytes=2)  # fmt: skip
     weights, sampler_weights = f"tinker://{model_id}/weights/a", f"tinker://{model_id}/sampler_weights/a"
     fwdbwd = forward_backward_request_to_proto(types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=[types.Datum(
@@ -208,6 +214,10 @@ def test_every_tinker_route_keeps_another_projects_sessions_models_and_weights_o
         ("GET", "/api/v1/training_runs/{run_id}/checkpoints"): {},
         ("DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}"): {},
         ("POST", "/api/v1/weights_info"): {"json": {"tinker_path": weights}},
+        ("POST", "/api/v1/save_weights_external"): {"json": {"model_id": model_id, "seq_id": 1, "path": "b"}},
+        ("GET", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls"): {},
+        ("PUT", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl"): {"json": {"ttl_seconds": 3600}},
+        ("GET", "/api/v1/training_runs/{run_id}/checkpoints/external_weights/{name}/files/{file}"): {},
     }
     # fmt: on
     listing = {
@@ -223,7 +233,7 @@ def test_every_tinker_route_keeps_another_projects_sessions_models_and_weights_o
         ("POST", "/api/v1/create_session"): {"json": {"sdk_version": "0.38.0"}},
     }
     ids = {"{session_id}": session_id, "{sampler_id}": sampler_id, "{run_id}": model_id, "{kind}": "weights",
-           "{name}": "a"}  # fmt: skip
+           "{name}": "a", "{file}": "config.json"}  # fmt: skip
     other = TestClient(app, headers=headers(new_project(settings, "other")))
     walked = set()
     for route in [*hidden, *listing, *project_free]:
@@ -246,7 +256,9 @@ def test_every_tinker_route_keeps_another_projects_sessions_models_and_weights_o
     # and nothing of this project changed
     assert api.post("/api/v1/session_heartbeat", json={"session_id": session_id}).status_code == 200
     listed = api.get(f"/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
-    assert sorted(c["checkpoint_id"] for c in listed) == ["sampler_weights/a", "weights/a"]
+    assert sorted(c["checkpoint_id"] for c in listed) == ["external_weights/a", "sampler_weights/a", "weights/a"]
+    mine = api.get(f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/a/files/config.json")
+    assert (mine.status_code, mine.content) == (200, b"{}")  # what the other key was refused is there
     with session_scope(settings.resolved_database_url) as session:
         assert [(r.kind, r.seq_id) for r in sessions.pending_requests(session, session_id=session_id)] == [
             ("create_model", 0)
@@ -395,3 +407,62 @@ def test_the_requests_a_session_has_waiting_are_bounded(settings: Settings, proj
     with session_scope(settings.resolved_database_url) as session:
         sessions.complete_request(session, request_id=future["request_id"], result=b"{}", result_format="json")
     assert api.post("/api/v1/optim_step", json={**step, "seq_id": 2}).status_code == 200
+
+
+def test_external_weights_download_by_urls_this_server_signs_until_they_expire(
+    api: TestClient, app: FastAPI, project: Project, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session_id = session_of(api)
+    model_id = create_model(api, session_id)["model_id"]
+    folder = settings.resolved_artifacts_dir / "jobs" / session_id / "external_weights" / "0" / "final"
+    files = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": b"\x01" * 3000, "sub/x.txt": b"x"}
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    (folder / "link").symlink_to(folder / "adapter_config.json")  # never served
+    checkpoint = {"session_id": session_id, "project_id": project.id, "model_id": model_id, "kind": "external_weights",
+                  "name": "final", "path": f"jobs/{session_id}/external_weights/0/final", "step": None,
+                  "size_bytes": 3010}  # fmt: skip
+    with session_scope(settings.resolved_database_url) as session:
+        sessions.add_checkpoint(session, **checkpoint)
+    checkpoints = f"/api/v1/training_runs/{model_id}/checkpoints"
+    answer = api.get(f"{checkpoints}/external_weights/final/external_weights_urls").json()
+    assert sorted(answer["urls"]) == sorted(files)
+    anonymous = TestClient(app)  # as urllib fetches them: no key
+    for name, url in answer["urls"].items():
+        assert url.startswith("http://testserver/api/v1/")
+        got = anonymous.get(url)
+        assert (got.status_code, got.content, got.headers["content-length"]) == (
+            200,
+            files[name],
+            str(len(files[name])),
+        )
+    url = answer["urls"]["adapter_model.safetensors"]
+    forged = [url[:-1] + ("0" if url[-1] != "0" else "1"), url.replace("adapter_model.safetensors", "link"),
+              url.replace("adapter_model.safetensors", "adapter_config.json"), url.split("?")[0]]  # fmt: skip
+    for bad in forged:
+        refused = anonymous.get(bad)
+        assert (refused.status_code, refused.json()["error"]["code"]) == (401, "invalid_api_key"), bad
+    other = TestClient(app, headers=headers(new_project(settings, "other")))
+    assert other.get(url.split("?")[0]).status_code == 404
+    assert api.get(url.split("?")[0]).content == files["adapter_model.safetensors"]  # the owner's key opens it
+    assert api.get(url.split("?")[0].replace("adapter_model.safetensors", "link")).status_code == 404
+    later = time.time() + 3601
+    monkeypatch.setattr(service.time, "time", lambda: later)
+    assert anonymous.get(url).status_code == 401  # expired
+    monkeypatch.undo()
+    # weights deleted and saved again under the name: the old URLs do not reach them
+    assert api.delete(f"{checkpoints}/external_weights/final").status_code == 200
+    assert not folder.exists()
+    folder.mkdir(parents=True)
+    (folder / "adapter_model.safetensors").write_bytes(b"\x02")
+    with session_scope(settings.resolved_database_url) as session:
+        sessions.add_checkpoint(session, **checkpoint)
+    assert anonymous.get(url).status_code == 401
+    # the SDK's set_checkpoint_ttl is accepted for the caller's weights; training weights are not downloaded by URL
+    assert api.put(f"{checkpoints}/external_weights/final/ttl", json={"ttl_seconds": 3600}).status_code == 200
+    assert api.put(f"{checkpoints}/external_weights/final/ttl", json={"ttl_seconds": 5}).status_code == 422
+    assert api.put(f"{checkpoints}/external_weights/nope/ttl", json={"ttl_seconds": None}).status_code == 404
+    with session_scope(settings.resolved_database_url) as session:
+        sessions.add_checkpoint(session, **{**checkpoint, "kind": "weights"})
+    assert api.get(f"{checkpoints}/weights/final/external_weights_urls").status_code == 400
