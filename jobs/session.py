@@ -251,7 +251,11 @@ class SessionWorker:
             assert row is not None
             return row.base_model
 
-        size = self._model(request).save_external(written, in_transaction(self.url, base_model))
+        try:
+            size = self._model(request).save_external(written, in_transaction(self.url, base_model))
+        except BaseException:
+            shutil.rmtree(written, ignore_errors=True)
+            raise
         models.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(models / name, ignore_errors=True)
         written.rename(models / name)

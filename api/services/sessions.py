@@ -235,8 +235,7 @@ def save_for_sampler(session: Session, settings: Settings, project: Project, *, 
 
 
 def load_weights(session: Session, settings: Settings, project: Project, *, path: str, optimizer: bool,
-                 model_id: str | None,
-                 seq_id: int | None, session_id: str | None, model_seq_id: int | None,
+                 model_id: str | None, seq_id: int | None, session_id: str | None, model_seq_id: int | None,
                  user_metadata: dict[str, Any]) -> Future:  # fmt: skip
     """Saved training weights loaded into a model of the session, or into a new one created from them."""
     checkpoint = checkpoint_at(session, project, path, kind="weights")
