@@ -5,7 +5,8 @@ archive in memory).
 The bytes are those ``tarfile.open(mode="w")`` writes for the same members (POSIX.1-2001 pax format, each header and
 each file's data padded to 512-byte blocks, two zero blocks at the end, the whole padded to tarfile's 10 KiB record).
 The files are opened before the first byte is sent: a file removed meanwhile (a running job's checkpoint retention
-renames then deletes old checkpoints) is still read whole through its open handle.
+renames then deletes old checkpoints) is still read whole through its open handle. :func:`regular_files` lists what
+a folder has to send.
 """
 
 import io
@@ -86,3 +87,17 @@ def stream(members: list[Member]) -> Iterator[bytes]:
     finally:
         for member in members:
             member.file.close()
+
+
+def regular_files(folder: Path) -> list[tuple[str, Path]]:
+    """The regular files under ``folder`` as (``/``-separated path relative to it, path), sorted; no symlinks, and
+    none of the folders behind symlinked folders. Empty when ``folder`` is not a folder."""
+    if folder.is_symlink() or not folder.is_dir():
+        return []
+    found = []
+    for dirpath, _, filenames in os.walk(folder):  # symlinked folders are listed, never entered
+        for filename in filenames:
+            path = Path(dirpath) / filename
+            if path.is_file() and not path.is_symlink():
+                found.append((path.relative_to(folder).as_posix(), path))
+    return sorted(found)

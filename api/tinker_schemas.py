@@ -2,12 +2,16 @@
 ``tinker/types``), and the answers it reads. Requests ignore fields they do not use (the SDK adds some in newer
 versions); what they use is checked here, and a bad value is a 400 naming the field."""
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 SUPPORTED_SDK = ("0.38",)
 """The ``tinker`` SDK versions (major.minor) this server speaks; the README says so too."""
+SEQ_MAX = 2**31 - 1
+"""The largest ``seq_id`` (and model or sampler number): the SDK's protobuf carries a forward_backward's as int32."""
+TTL_MAX = 10 * 366 * 24 * 3600
+"""The SDK's longest time to live of saved weights: 10 years."""
 
 
 class Request(BaseModel):
@@ -51,7 +55,7 @@ class OptimizerConfig(Request):
 
 class CreateModelRequest(Request):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: int = Field(ge=0, le=SEQ_MAX)
     base_model: str = Field(min_length=1, max_length=500)
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfig | None = None
@@ -75,23 +79,45 @@ class AdamParams(Request):
 
 class OptimStepRequest(ModelRequest):
     adam_params: AdamParams
-    seq_id: int = Field(ge=1)
+    seq_id: int = Field(ge=1, le=SEQ_MAX)
 
 
-CHECKPOINT_NAME = r"^[A-Za-z0-9._-]{1,200}$"
-"""A saved weights' name: it is the last part of a ``tinker://`` path, and a folder name on the server."""
+def _not_only_dots(name: str) -> str:
+    if not name.strip("."):
+        raise ValueError(f"{name!r} names a folder above the weights, not a name of its own: use a letter or digit")
+    return name
+
+
+CheckpointName = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,200}$"), AfterValidator(_not_only_dots)]
+"""A saved weights' name: it is the last part of a ``tinker://`` path, and a folder name on the server (so never
+``.`` or ``..``, nor anything else made only of dots)."""
 
 
 class SaveWeightsRequest(ModelRequest):
-    path: str = Field(pattern=CHECKPOINT_NAME)
-    seq_id: int = Field(ge=1)
+    path: CheckpointName
+    seq_id: int = Field(ge=1, le=SEQ_MAX)
     overwrite: bool = False
 
 
 class SaveWeightsForSamplerRequest(ModelRequest):
-    path: str | None = Field(default=None, pattern=CHECKPOINT_NAME)
-    sampling_session_seq_id: int | None = Field(default=None, ge=0)
-    seq_id: int = Field(ge=1)
+    path: CheckpointName | None = None
+    sampling_session_seq_id: int | None = Field(default=None, ge=0, le=SEQ_MAX)
+    seq_id: int = Field(ge=1, le=SEQ_MAX)
+
+
+class SaveWeightsExternalRequest(ModelRequest):
+    """The weights in Hugging Face's format (with LoRA, the PEFT adapter), for ``tinker checkpoint download``."""
+
+    path: CheckpointName
+    seq_id: int = Field(ge=1, le=SEQ_MAX)
+    ttl_seconds: int | None = Field(default=None, ge=3600, le=TTL_MAX)
+    """Accepted; this server keeps saved weights until they are deleted."""
+    age_encryption_recipients: list[str] | None = Field(default=None, max_length=0)
+    """Files encrypted with age are not offered by this server: none or an empty list."""
+
+
+class TtlRequest(Request):
+    ttl_seconds: int | None = Field(ge=3600, le=TTL_MAX)
 
 
 class LoadWeightsRequest(Request):
@@ -101,25 +127,51 @@ class LoadWeightsRequest(Request):
     path: str = Field(max_length=1000)
     optimizer: bool = False
     model_id: str | None = Field(default=None, max_length=120)
-    seq_id: int | None = Field(default=None, ge=1)
+    seq_id: int | None = Field(default=None, ge=1, le=SEQ_MAX)
     session_id: str | None = None
-    model_seq_id: int | None = Field(default=None, ge=0)
+    model_seq_id: int | None = Field(default=None, ge=0, le=SEQ_MAX)
     user_metadata: dict[str, Any] | None = None
 
 
 class CreateSamplingSessionRequest(Request):
     session_id: str
-    sampling_session_seq_id: int = Field(ge=0)
+    sampling_session_seq_id: int = Field(ge=0, le=SEQ_MAX)
     base_model: str | None = Field(default=None, max_length=500)
     model_path: str | None = Field(default=None, max_length=1000)
 
 
+class SamplingParams(Request):
+    """The SDK's ``SamplingParams``: each field of its type and range, so that a wrong one is the client's error
+    naming it (the worker checks what depends on the model: the context, the vocabulary)."""
+
+    max_tokens: int | None = Field(default=None, ge=1, le=SEQ_MAX)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    """Any seed torch's generator takes."""
+    stop: str | list[str] | list[int] | None = None
+    """Stop strings or token ids; None: the model's EOS; ``[]``: none."""
+    temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    top_k: int = Field(default=-1, ge=-1, le=SEQ_MAX)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+
+    @field_validator("stop", mode="plain")
+    @classmethod
+    def _stop(cls, value: Any) -> str | list[str] | list[int] | None:
+        """One error at ``stop`` itself (a union's would name its members)."""
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return value
+        if isinstance(value, list) and all(type(item) is int and 0 <= item <= SEQ_MAX for item in value):
+            return value
+        raise ValueError("a string, a list of strings, or a list of token ids (integers from 0)")
+
+
 class SampleRequest(Request):
     sampling_session_id: str = Field(max_length=120)
-    seq_id: int = Field(ge=0)
+    seq_id: int = Field(ge=0, le=SEQ_MAX)
     num_samples: int = Field(default=1, ge=1, le=256)
     prompt: dict[str, Any]
-    sampling_params: dict[str, Any]
+    sampling_params: SamplingParams
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=0)
     """Top-k prompt log-probs are not served (0 only)."""

@@ -15,6 +15,7 @@ queued again, and the next worker serves new training clients made from saved st
 import json
 import logging
 import math
+import shutil
 import time
 from collections import OrderedDict
 from datetime import UTC, datetime
@@ -29,14 +30,15 @@ from engine.core.checkpoint import list_checkpoints, save_checkpoint
 from engine.core.generate import Interrupted
 from engine.core.models import ModelNotFoundError, context_length, load_causal_lm, load_tokenizer, pick_device
 from engine.session.errors import UserError
+from engine.session.losses import find_loss
 from engine.session.models import Lora, TrainingModel
 from engine.session.sampler import SamplingParams, check_prompt, check_work, sample
 from engine.session.wire import decode_datums, encode_forward_backward_output, encode_sample_response, loss_config
-from engine.spec.tinker_proto import ForwardBackwardRequest
+from engine.spec.tinker_proto import TooLarge, parse_stored
 from jobs.runner import DbCallbacks, Ending, Outcome, cancelled, failed, handed_back, in_transaction
 from jobs.store import crud, sessions
-from jobs.store.models import ACTIVE_STATUSES, SessionRequest, TrainingSession, utcnow
-from jobs.store.settings import Settings
+from jobs.store.models import ACTIVE_STATUSES, SessionModel, SessionRequest, TrainingSession, utcnow
+from jobs.store.settings import SESSION_BOUNDS, Settings
 
 log = logging.getLogger(__name__)
 
@@ -286,10 +288,15 @@ class SessionWorker:
         return self._forward_backward(request)
 
     def _forward_backward(self, request: SessionRequest) -> tuple[bytes, str]:
-        message = ForwardBackwardRequest.FromString(request.payload)
-        backward = request.kind == "forward_backward"
-        outputs, metrics = self._model(request).forward_backward(decode_datums(message), message.loss_fn,
-                                                                 loss_config(message), backward=backward)  # fmt: skip
+        """The stored body decompressed, its input names and dense elements checked before any tensor is made."""
+        try:
+            message = parse_stored(request.payload, max_bytes=self.settings.session_max_body_bytes)
+            loss = find_loss(message.loss_fn)
+            datums = decode_datums(message, budget=self.settings.session_budget, inputs=loss.required + loss.optional)
+        except TooLarge as e:
+            raise UserError(f"{e} ({SESSION_BOUNDS[e.bound]})") from None
+        backward, config = request.kind == "forward_backward", loss_config(message)
+        outputs, metrics = self._model(request).forward_backward(datums, message.loss_fn, config, backward=backward)
         if backward:
             for name, value in metrics.items():
                 self.gathered[name] = self.gathered.get(name, 0.0) + value
@@ -317,6 +324,30 @@ class SessionWorker:
             raise UserError(f"path: weights named {name!r} were saved already; pick another name or pass overwrite")
         size = self.models[target].save_state(folder)
         return self._record(target, "weights", name, folder, None, size)
+
+    def _save_weights_external(self, request: SessionRequest) -> tuple[bytes, str]:
+        """The model as a Hugging Face folder (LoRA: its PEFT adapter), ``external_weights/<name>`` of the session's
+        folder, written aside and then put in place of an earlier save of that name."""
+        name = json.loads(request.payload)["path"]
+        models = self.out_dir / "external_weights" / request.target.rsplit(":", 1)[-1]
+        written = self.out_dir / "tmp" / f"external-{request.id}"
+        shutil.rmtree(written, ignore_errors=True)
+
+        def base_model(session: Session) -> str:
+            row = session.get(SessionModel, request.target)
+            assert row is not None
+            return row.base_model
+
+        try:
+            size = self._model(request).save_external(written, in_transaction(self.url, base_model))
+        except BaseException:
+            shutil.rmtree(written, ignore_errors=True)
+            raise
+        models.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(models / name, ignore_errors=True)
+        written.rename(models / name)
+        path = self._record(request.target, "external_weights", name, models / name, None, size)
+        return _json({"path": path, "size_bytes": size, "type": "save_weights_external"}), "json"
 
     def _save_weights_for_sampler(self, request: SessionRequest) -> tuple[bytes, str]:
         """Sampler weights: the model as a Hugging Face folder, the session job's next checkpoint (served by the

@@ -13,7 +13,6 @@ exact ``Content-Length`` known up front (:mod:`api.tar_stream`), without a tempo
 """
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -26,7 +25,7 @@ from api.deps import CurrentProject, SessionDep, SettingsDep
 from api.errors import ApiError, ErrorResponse
 from api.schemas import MAX_INT32
 from api.services.jobs import job_or_404
-from api.tar_stream import Member, archive_size, stream
+from api.tar_stream import Member, archive_size, regular_files, stream
 from jobs.store import crud
 from jobs.store.models import LIVE_STATUSES, Job
 from jobs.store.settings import Settings
@@ -132,17 +131,3 @@ def model_members(checkpoint: Path, root: str, base_model: str) -> list[Member]:
             member.file.close()
         raise
     return members
-
-
-def regular_files(folder: Path) -> list[tuple[str, Path]]:
-    """The regular files under ``folder`` as (``/``-separated path relative to it, path), sorted; no symlinks, and
-    none of the folders behind symlinked folders. None when ``folder`` is not a folder."""
-    if folder.is_symlink() or not folder.is_dir():
-        return []
-    found = []
-    for dirpath, _, filenames in os.walk(folder):  # symlinked folders are listed, never entered
-        for filename in filenames:
-            path = Path(dirpath) / filename
-            if path.is_file() and not path.is_symlink():
-                found.append((path.relative_to(folder).as_posix(), path))
-    return sorted(found)

@@ -10,14 +10,15 @@ import time
 from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Depends, Header, Request, Security
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Security
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.security import APIKeyHeader
 
 from api.deps import EnqueueDep, SettingsDep
 from api.errors import ApiError
 from api.services import sessions as service
 from api.tinker_schemas import (
+    SEQ_MAX,
     CancelFutureRequest,
     ClientConfigRequest,
     CreateModelRequest,
@@ -30,9 +31,11 @@ from api.tinker_schemas import (
     OptimStepRequest,
     RetrieveFutureRequest,
     SampleRequest,
+    SaveWeightsExternalRequest,
     SaveWeightsForSamplerRequest,
     SaveWeightsRequest,
     SessionHeartbeatRequest,
+    TtlRequest,
     WeightsInfoRequest,
 )
 from jobs.store import sessions
@@ -63,6 +66,8 @@ def tinker_project(
 
 
 TinkerProject = Annotated[Project, Depends(tinker_project)]
+Offset = Annotated[int, Query(ge=0, le=SEQ_MAX)]
+"""A listing's offset: a 4xx past what a database offset takes."""
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
 
@@ -129,10 +134,10 @@ def finish_session(session_id: str, body: FinishSessionRequest, settings: Settin
 
 
 @router.get("/sessions")
-def list_sessions(settings: SettingsDep, project: TinkerProject, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+def list_sessions(settings: SettingsDep, project: TinkerProject, limit: int = 20, offset: Offset = 0) -> dict[str, Any]:
     with _db(settings) as session:
         ids = sessions.list_session_ids(session, project_id=project.id, limit=min(max(limit, 1), 100),
-                                        offset=max(offset, 0))  # fmt: skip
+                                        offset=offset)  # fmt: skip
     return {"sessions": ids}
 
 
@@ -178,7 +183,7 @@ async def forward_backward(request: Request, settings: SettingsDep, project: Tin
 
     def store() -> Future:
         with _db(settings) as session:
-            return service.forward_backward(session, project, body, encoding, max_bytes=16 * settings.max_request_bytes)
+            return service.forward_backward(session, settings, project, body, encoding)
 
     return await anyio.to_thread.run_sync(store)
 
@@ -186,14 +191,14 @@ async def forward_backward(request: Request, settings: SettingsDep, project: Tin
 @router.post("/optim_step")
 def optim_step(body: OptimStepRequest, settings: SettingsDep, project: TinkerProject) -> Future:
     with _db(settings) as session:
-        return service.model_operation(session, project, model_id=body.model_id, seq_id=body.seq_id,
+        return service.model_operation(session, settings, project, model_id=body.model_id, seq_id=body.seq_id,
                                        kind="optim_step", payload=body.model_dump_json().encode())  # fmt: skip
 
 
 @router.post("/save_weights")
 def save_weights(body: SaveWeightsRequest, settings: SettingsDep, project: TinkerProject) -> Future:
     with _db(settings) as session:
-        return service.model_operation(session, project, model_id=body.model_id, seq_id=body.seq_id,
+        return service.model_operation(session, settings, project, model_id=body.model_id, seq_id=body.seq_id,
                                        kind="save_weights", payload=body.model_dump_json().encode())  # fmt: skip
 
 
@@ -203,8 +208,25 @@ def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, settings: Setti
     if body.path is None and body.sampling_session_seq_id is None:
         raise ApiError(400, "invalid_request", "give a path (a name) or a sampling_session_seq_id")
     with _db(settings) as session:
-        return service.save_for_sampler(session, project, model_id=body.model_id, seq_id=body.seq_id,
+        return service.save_for_sampler(session, settings, project, model_id=body.model_id, seq_id=body.seq_id,
                                         sampling_session_seq_id=body.sampling_session_seq_id, body=body)  # fmt: skip
+
+
+@router.post("/save_weights_external")
+def save_weights_external(body: SaveWeightsExternalRequest, settings: SettingsDep, project: TinkerProject) -> Future:
+    """The weights as a Hugging Face folder (LoRA: the PEFT adapter; else the model), ``external_weights/<name>``,
+    whose files download by the URLs of ``external_weights_urls``."""
+    payload = body.model_dump_json().encode()
+    with _db(settings) as session:
+        return service.model_operation(
+            session,
+            settings,
+            project,
+            model_id=body.model_id,
+            seq_id=body.seq_id,
+            kind="save_weights_external",
+            payload=payload,
+        )
 
 
 @router.post("/load_weights")
@@ -296,8 +318,8 @@ def cancel_future(body: CancelFutureRequest, settings: SettingsDep, project: Tin
 
 
 @router.get("/training_runs")
-def training_runs(settings: SettingsDep, project: TinkerProject, limit: int = 20, offset: int = 0) -> dict[str, Any]:
-    limit, offset = min(max(limit, 1), 100), max(offset, 0)
+def training_runs(settings: SettingsDep, project: TinkerProject, limit: int = 20, offset: Offset = 0) -> dict[str, Any]:
+    limit = min(max(limit, 1), 100)
     with _db(settings) as session:
         models, total = sessions.list_models(session, project_id=project.id, limit=limit, offset=offset)
         runs = [service.training_run(session, project, model) for model in models]
@@ -323,8 +345,9 @@ def run_checkpoints(run_id: str, settings: SettingsDep, project: TinkerProject) 
 
 
 @router.get("/checkpoints")
-def all_checkpoints(settings: SettingsDep, project: TinkerProject, limit: int = 100, offset: int = 0) -> dict[str, Any]:
-    limit, offset = min(max(limit, 1), 1000), max(offset, 0)
+def all_checkpoints(settings: SettingsDep, project: TinkerProject, limit: int = 100,
+                    offset: Offset = 0) -> dict[str, Any]:  # fmt: skip
+    limit = min(max(limit, 1), 1000)
     with _db(settings) as session:
         rows, total = sessions.list_checkpoints(session, project_id=project.id, limit=limit, offset=offset)
         return {"checkpoints": [service.checkpoint_view(row) for row in rows],
@@ -335,6 +358,50 @@ def all_checkpoints(settings: SettingsDep, project: TinkerProject, limit: int = 
 def delete_checkpoint(run_id: str, kind: str, name: str, settings: SettingsDep, project: TinkerProject) -> None:
     with _db(settings) as session:
         service.delete_checkpoint(session, settings, project, run_id[:120], f"{kind}/{name}")
+
+
+@router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
+def set_checkpoint_ttl(
+    run_id: str, kind: str, name: str, body: TtlRequest, settings: SettingsDep, project: TinkerProject
+) -> None:
+    with _db(settings) as session:
+        service.set_ttl(session, project, run=run_id[:120], kind=kind, name=name)
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
+def external_weights_urls(
+    run_id: str, kind: str, name: str, request: Request, settings: SettingsDep, project: TinkerProject
+) -> dict[str, Any]:
+    """A URL of this server per file of external weights, signed for an hour: they answer without a key."""
+    base_url = str(request.base_url)
+    with _db(settings) as session:
+        return service.external_weights_urls(
+            session, settings, project, run=run_id[:120], kind=kind, name=name, base_url=base_url
+        )
+
+
+Expires = Annotated[int | None, Query(ge=0, le=2**62)]
+Signature = Annotated[str | None, Query(max_length=64)]
+
+
+@router.get("/training_runs/{run_id}/checkpoints/external_weights/{name}/files/{file:path}")
+def external_weights_file(
+    run_id: str,
+    name: str,
+    file: str,
+    settings: SettingsDep,
+    key: Annotated[str | None, Security(API_KEY)] = None,
+    expires: Expires = None,
+    signature: Signature = None,
+) -> FileResponse:
+    """One file of external weights, streamed: for the owner's key, or without a key for a URL that
+    ``external_weights_urls`` signed and that has not expired."""
+    with _db(settings) as session:
+        project = service.project_for_key(session, key) if key is not None else None
+        path = service.external_weights_file(
+            session, settings, project, run=run_id, name=name, file=file, expires=expires, signature=signature
+        )
+    return FileResponse(path, media_type="application/octet-stream")
 
 
 @router.post("/weights_info")

@@ -8,19 +8,23 @@ their ``seq_id`` order and stores the result, which ``retrieve_future`` long-pol
 import json
 import re
 import shutil
-from datetime import datetime
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlencode
 
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
+from api import signed_urls
 from api.deps import Enqueue
 from api.errors import ApiError
 from api.services.jobs import check_pending, send_created
+from api.tar_stream import regular_files
 from api.tinker_schemas import SUPPORTED_SDK, Future
 from engine import builtin
-from engine.spec.tinker_proto import WireError, parse_forward_backward
+from engine.spec.tinker_proto import TooLarge, WireError, check_elements, parse_forward_backward, stored_body
 from jobs.store import crud, sessions
 from jobs.store.models import (
     FINAL_STATUSES,
@@ -32,13 +36,15 @@ from jobs.store.models import (
     SessionRequest,
     TrainingSession,
 )
-from jobs.store.refs import SpecReferenceError, resolve_model
-from jobs.store.settings import Settings
+from jobs.store.refs import SpecReferenceError, job_dir, resolve_model
+from jobs.store.settings import SESSION_BOUNDS, Settings
 
 KEY_PREFIX = "tml-"
 """The SDK refuses keys without it: a project key ``K`` is given to it as ``tml-K``."""
-CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
+CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 """The middle part of a ``tinker://`` path, and the SDK's name for that kind of checkpoint."""
+EXTERNAL = "external_weights"
+"""Weights in Hugging Face's format (``save_weights_external``), the kind whose files download."""
 _TINKER_PATH = re.compile(r"^tinker://([^/]+)/([a-z_]+)/([^/]+)$")
 
 
@@ -163,7 +169,19 @@ def heartbeat(session: Session, project: Project, session_id: str) -> None:
 # --- requests ------------------------------------------------------------------------------------
 
 
-def _submit(session: Session, job: Job, target: str, seq_id: int, kind: str, payload: bytes) -> SessionRequest:
+def _submit(
+    session: Session, settings: Settings, job: Job, target: str, seq_id: int, kind: str, payload: bytes
+) -> SessionRequest:
+    """Store a request for the session's worker; the one already stored for (target, seq_id) when the SDK sends it
+    again. 429 for a new one past ``session_max_pending_requests`` waiting (the SDK retries it)."""
+    if sessions.request_at(session, target=target, seq_id=seq_id) is None:
+        pending = sessions.count_pending(session, session_id=job.id)
+        if pending >= settings.session_max_pending_requests:
+            message = (
+                f"session {job.id} has {pending} requests waiting for its worker, the most a session may have "
+                "(RLHF_SESSION_MAX_PENDING_REQUESTS); send more once some have run"
+            )
+            raise ApiError(429, "too_many_pending_requests", message)
     request, _ = sessions.add_request(session, session_id=job.id, project_id=job.project_id, target=target,
                                       seq_id=seq_id, kind=kind, payload=payload)  # fmt: skip
     sessions.beat(session, session_id=job.id)  # a client that sends work is alive
@@ -194,35 +212,43 @@ def create_model(
     model = sessions.add_model(session, session_id=job.id, project_id=project.id, seq=model_seq_id,
                                base_model=base_model, lora_rank=lora["rank"] if lora else None,
                                info={"lora": lora}, user_metadata=user_metadata)  # fmt: skip
-    request = _submit(session, job, model.id, 0, "create_model", _json(body, resolved=resolved))
+    request = _submit(session, settings, job, model.id, 0, "create_model", _json(body, resolved=resolved))
     _claim_worker(session, settings, enqueue, job, base_model)
     return Future(request_id=request.id, model_id=model.id)
 
 
 def model_operation(
-    session: Session, project: Project, *, model_id: str, seq_id: int, kind: str, payload: bytes
+    session: Session, settings: Settings, project: Project, *, model_id: str, seq_id: int, kind: str, payload: bytes
 ) -> Future:
     """Store an operation on a model (forward/backward, optimizer step, saves, loads) in its place."""
     model, job = model_of(session, project, model_id)
-    request = _submit(session, job, model.id, seq_id, kind, payload)
+    request = _submit(session, settings, job, model.id, seq_id, kind, payload)
     return Future(request_id=request.id, model_id=model.id)
 
 
-def forward_backward(session: Session, project: Project, body: bytes, content_encoding: str | None,
-                     max_bytes: int) -> Future:  # fmt: skip
-    """A forward (``forward_only``) or forward/backward: its protobuf body, decompressed, is the payload."""
+def forward_backward(
+    session: Session, settings: Settings, project: Project, body: bytes, content_encoding: str | None
+) -> Future:
+    """A forward (``forward_only``) or forward/backward: its protobuf body, decompressed within
+    ``session_max_body_bytes`` and its datums' dense elements counted within the session budget before it is
+    stored, compressed (the worker decompresses it again)."""
     try:
-        message = parse_forward_backward(body, content_encoding, max_bytes=max_bytes)
+        message = parse_forward_backward(body, content_encoding, max_bytes=settings.session_max_body_bytes)
+        check_elements(message, settings.session_budget)
+    except TooLarge as e:
+        raise ApiError(413, "request_too_large", f"{e} ({SESSION_BOUNDS[e.bound]})") from None
     except WireError as e:
         raise ApiError(400, "invalid_request", str(e)) from None
     kind = "forward" if message.forward_only else "forward_backward"
     if message.seq_id < 1:
         raise ApiError(400, "invalid_request", f"seq_id must be at least 1, not {message.seq_id}", param="seq_id")
-    return model_operation(session, project, model_id=message.model_id, seq_id=message.seq_id, kind=kind,
-                           payload=message.SerializeToString())  # fmt: skip
+    payload = stored_body(body, content_encoding)
+    return model_operation(
+        session, settings, project, model_id=message.model_id, seq_id=message.seq_id, kind=kind, payload=payload
+    )
 
 
-def save_for_sampler(session: Session, project: Project, *, model_id: str, seq_id: int,
+def save_for_sampler(session: Session, settings: Settings, project: Project, *, model_id: str, seq_id: int,
                      sampling_session_seq_id: int | None, body: BaseModel) -> Future:  # fmt: skip
     """Saved sampler weights; without a name, a sampler of the session on them (the SDK's
     ``save_weights_and_get_sampling_client``), whose id the result gives."""
@@ -232,7 +258,8 @@ def save_for_sampler(session: Session, project: Project, *, model_id: str, seq_i
         sampler = sessions.add_sampler(session, session_id=job.id, project_id=project.id,
                                        seq=sampling_session_seq_id, base_model=model.base_model, model_path=None,
                                        folder=None).id  # fmt: skip
-    request = _submit(session, job, model.id, seq_id, "save_weights_for_sampler", _json(body, sampler_id=sampler))
+    payload = _json(body, sampler_id=sampler)
+    request = _submit(session, settings, job, model.id, seq_id, "save_weights_for_sampler", payload)
     return Future(request_id=request.id, model_id=model.id)
 
 
@@ -245,7 +272,7 @@ def load_weights(session: Session, settings: Settings, enqueue: Enqueue, project
     assert source is not None
     payload = json.dumps({"path": path, "folder": checkpoint.path, "optimizer": optimizer}).encode()
     if model_id is not None and seq_id is not None:
-        return model_operation(session, project, model_id=model_id, seq_id=seq_id, kind="load_weights",
+        return model_operation(session, settings, project, model_id=model_id, seq_id=seq_id, kind="load_weights",
                                payload=payload)  # fmt: skip
     if session_id is None or model_seq_id is None:
         raise ApiError(400, "invalid_request", "load_weights needs model_id and seq_id, or session_id and model_seq_id")
@@ -256,7 +283,7 @@ def load_weights(session: Session, settings: Settings, enqueue: Enqueue, project
     resolved = json.loads(_request_payload(session, source))["resolved"]
     payload = json.dumps({"path": path, "folder": checkpoint.path, "optimizer": optimizer, "resolved": resolved,
                           "lora": source.info.get("lora")}).encode()  # fmt: skip
-    request = _submit(session, job, model.id, 0, "create_model", payload)
+    request = _submit(session, settings, job, model.id, 0, "create_model", payload)
     _claim_worker(session, settings, enqueue, job, source.base_model)
     return Future(request_id=request.id, model_id=model.id)
 
@@ -313,7 +340,7 @@ def sample(session: Session, settings: Settings, project: Project, *, sampler_id
     if sampler is None:
         raise ApiError(404, "not_found", f"no sampling session {sampler_id[:120]!r}")
     job = live_session(session, project, sampler.session_id)
-    request = _submit(session, job, sampler.id, seq_id, "sample", _json(body))
+    request = _submit(session, settings, job, sampler.id, seq_id, "sample", _json(body))
     return Future(request_id=request.id, sample_sequence_ids=[f"{request.id}-{i}" for i in range(num_samples)])
 
 
@@ -434,13 +461,124 @@ def delete_checkpoint(session: Session, settings: Settings, project: Project, ru
     if row.step is not None:
         raise ApiError(400, "invalid_request", "sampler weights are a checkpoint of the session's job: they stay "
                        "while the job does (delete the job to remove them)")  # fmt: skip
-    _remove_folder(settings.resolved_artifacts_dir / row.path)
+    folder = own_folder(settings, row)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
     sessions.delete_checkpoint(session, row=row)
 
 
-def _remove_folder(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def own_folder(settings: Settings, row: SessionCheckpoint) -> Path | None:
+    """The folder of saved weights ``row``, or None when its recorded path is not a folder of that checkpoint
+    alone: one named by the checkpoint's name, inside its session's folder (a row an earlier version let in,
+    named ``..``, pointed at the folder of every model's saved weights)."""
+    session_dir = job_dir(settings.resolved_artifacts_dir, row.session_id).resolve()
+    folder = (settings.resolved_artifacts_dir / row.path).resolve()
+    if not row.name.strip(".") or folder.name != row.name or not folder.is_relative_to(session_dir):
+        return None
+    return folder
 
 
 def _iso(when: datetime) -> str:
     return when.isoformat()
+
+
+# --- weights out: external weights' files by signed URL ----------------------------------------------------
+
+
+def _external(session: Session, project: Project, run: str, kind: str, name: str) -> SessionCheckpoint:
+    """The caller's external weights; 404 for none, 400 for weights of another kind."""
+    row = sessions.get_checkpoint(session, project_id=project.id, model_id=run, kind=kind, name=name)
+    if row is None:
+        raise ApiError(404, "not_found", f"no checkpoint {kind[:40]}/{name[:200]} of {run[:120]!r}")
+    if kind != EXTERNAL:
+        message = (
+            f"only {EXTERNAL} download by URL, not {kind}; export the weights in Hugging Face's format with "
+            "save_weights_external first (tinker checkpoint download does)"
+        )
+        raise ApiError(400, "invalid_request", message)
+    return row
+
+
+def _files(settings: Settings, row: SessionCheckpoint) -> dict[str, Path]:
+    folder = own_folder(settings, row)
+    return dict(regular_files(folder)) if folder is not None else {}
+
+
+def file_path(run: str, name: str, file: str) -> str:
+    """The path of the route serving file ``file`` of external weights ``name`` of ``run``."""
+    return f"/api/v1/training_runs/{quote(run, safe=':')}/checkpoints/{EXTERNAL}/{quote(name)}/files/{quote(file)}"
+
+
+def _bound_to(row: SessionCheckpoint) -> str:
+    """What a URL's signature binds: this very checkpoint (weights deleted and saved again under the same name
+    are another, as is a row that takes a deleted one's id)."""
+    created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
+    return f"{row.id}:{created.timestamp():.6f}"
+
+
+def external_weights_urls(
+    session: Session, settings: Settings, project: Project, *, run: str, kind: str, name: str, base_url: str
+) -> dict[str, Any]:
+    """A URL of this API per file of the caller's external weights, signed for :data:`signed_urls.TTL_S`: the
+    SDK's ``get_external_weights_urls``, which the CLI's ``checkpoint download`` reads without a key."""
+    row = _external(session, project, run, kind, name)
+    files = _files(settings, row)
+    if not files:
+        raise ApiError(404, "not_found", f"the files of {tinker_path(row)} are gone")
+    key = signed_urls.signing_key(settings.resolved_artifacts_dir)
+    expires = int(time.time()) + signed_urls.TTL_S
+    urls = {}
+    for file in files:
+        path = file_path(row.model_id, row.name, file)
+        query = urlencode({"expires": expires, "signature": signed_urls.signature(key, path, expires, _bound_to(row))})
+        urls[file] = f"{base_url.rstrip('/')}{path}?{query}"
+    return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
+
+
+def external_weights_file(
+    session: Session,
+    settings: Settings,
+    project: Project | None,
+    *,
+    run: str,
+    name: str,
+    file: str,
+    expires: int | None,
+    signature: str | None,
+) -> Path:
+    """The file ``file`` of external weights ``name`` of ``run``, for the project that owns them (``project``, by
+    its key) or, without a key, for a URL signed for them that has not expired; 401 for neither, 404 for a file
+    they do not have."""
+    model = session.get(SessionModel, run[:120])
+    row = None
+    if model is not None:
+        row = sessions.get_checkpoint(session, project_id=model.project_id, model_id=model.id, kind=EXTERNAL, name=name)
+    if project is not None:
+        row = row if row is not None and row.project_id == project.id else None  # another project's: none
+    elif not _signed(settings, row, file_path(run, name, file), expires, signature):
+        message = (
+            "missing API key, or a download URL that is not signed or has expired: ask for new URLs "
+            "(get_external_weights_urls)"
+        )
+        raise ApiError(401, "invalid_api_key", message)
+    found = _files(settings, row).get(file) if row is not None else None
+    if found is None:
+        raise ApiError(404, "not_found", f"no file {file[:200]!r} in external weights {name[:200]!r} of {run[:120]!r}")
+    return found
+
+
+def _signed(
+    settings: Settings, row: SessionCheckpoint | None, path: str, expires: int | None, signature: str | None
+) -> bool:
+    if row is None or expires is None or signature is None:
+        return False
+    key = signed_urls.signing_key(settings.resolved_artifacts_dir)
+    return signed_urls.is_valid(key, path, expires, _bound_to(row), signature, time.time())
+
+
+def set_ttl(session: Session, project: Project, *, run: str, kind: str, name: str) -> None:
+    """The SDK's ``set_checkpoint_ttl``: the checkpoint must be the caller's; this server keeps saved weights until
+    they are deleted, so the time to live is accepted and not applied."""
+    row = sessions.get_checkpoint(session, project_id=project.id, model_id=run, kind=kind, name=name)
+    if row is None:
+        raise ApiError(404, "not_found", f"no checkpoint {kind[:40]}/{name[:200]} of {run[:120]!r}")

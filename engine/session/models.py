@@ -2,6 +2,7 @@
 every weight, the engine's :class:`engine.core.learner.Learner` over it, and an AdamW whose hyperparameters each
 ``optim_step`` brings (Tinker sends its own learning rate, betas, eps, weight decay and clip with every step)."""
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from transformers import PreTrainedModel
 
 from engine.core.distributed import Ranks
 from engine.core.learner import Learner
-from engine.core.models import apply_lora, context_length, load_causal_lm, load_tokenizer, prepare
+from engine.core.models import apply_lora, context_length, load_causal_lm, load_tokenizer, prepare, save_model
 from engine.session.losses import forward_backward
 from engine.session.wire import Datum
 from engine.spec.config import LoraSpec
@@ -118,6 +119,21 @@ class TrainingModel:
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(self.learner.save_state(), folder / STATE_FILE)
         return (folder / STATE_FILE).stat().st_size
+
+    def save_external(self, folder: Path, base_model: str) -> int:
+        """The weights in Hugging Face's format in ``folder`` (made): with LoRA the PEFT adapter
+        (``adapter_config.json`` naming ``base_model``, ``adapter_model.safetensors``: ``PeftModel.from_pretrained``
+        over the base model), else the whole model (``config.json``, ``model.safetensors``), and the tokenizer's
+        files either way. Returns the bytes written."""
+        if self.lora is None:
+            save_model(self.model, self.tokenizer, folder)
+        else:
+            self.model.save_pretrained(folder)
+            config = folder / "adapter_config.json"
+            config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": base_model}))
+            (folder / "README.md").unlink(missing_ok=True)  # peft's card names the folder the base was loaded from
+            self.tokenizer.save_pretrained(folder)
+        return sum(file.stat().st_size for file in folder.rglob("*") if file.is_file())
 
     def load_state(self, folder: Path, optimizer: bool) -> None:
         """Weights saved by :meth:`save_state` (of a model built as this one), and the optimizer's state with

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,10 +21,7 @@ from google.protobuf.message import Message
 
 from engine.session.errors import UserError, datum_error
 from engine.spec import tinker_proto
-from engine.spec.tinker_proto import DType, StopReason
-
-MAX_ELEMENTS = 1 << 26
-"""The default bound on the elements of one sparse tensor once dense (its bytes on the wire do not bound it)."""
+from engine.spec.tinker_proto import DEFAULT_BUDGET, DType, ElementBudget, StopReason, check_elements
 
 _READ_DTYPES = {
     DType.FLOAT32: (torch.float32, torch.float32),
@@ -103,16 +101,13 @@ def _csr_problem(crow: torch.Tensor, col: torch.Tensor, nnz: int, rows: int, col
     return None
 
 
-def _densify_csr(
-    csr: Message, shape: list[int], dtype: torch.dtype, index: int, field: str, max_elements: int
-) -> torch.Tensor:
+def _densify_csr(csr: Message, shape: list[int], dtype: torch.dtype, index: int, field: str) -> torch.Tensor:
     """The dense (rows, cols) tensor of a ``SparseCsr``: the listed values at their places, 0 elsewhere (the SDK
-    leaves out the entries equal to its pad value 0, ``TensorData.from_torch_sparse``)."""
+    leaves out the entries equal to its pad value 0, ``TensorData.from_torch_sparse``). Its size was checked
+    against the request's budget before (:func:`decode_datums`)."""
     if len(shape) != 2:
         raise datum_error(index, field, f"a sparse CSR tensor needs a 2-D shape, not {shape}")
     rows, cols = shape
-    if rows * cols > max_elements:
-        raise datum_error(index, field, f"shape {shape} has more than {max_elements} elements")
     values = _values(csr.values, dtype, index, field)  # (nnz,)
     crow = _values(csr.crow_indices, torch.int64, index, field + ".crow_indices")  # (rows + 1,)
     col = _values(csr.col_indices, torch.int64, index, field + ".col_indices")  # (nnz,)
@@ -124,7 +119,7 @@ def _densify_csr(
     return dense
 
 
-def _decode_tensor(tensor: Message, index: int, field: str, max_elements: int) -> torch.Tensor:
+def _decode_tensor(tensor: Message, index: int, field: str) -> torch.Tensor:
     """A ``Tensor`` of a datum, dense or sparse CSR, as a dense tensor of its shape (1-D when none was sent, as the
     SDK's ``TensorData`` infers it)."""
     if tensor.dtype not in _READ_DTYPES:
@@ -135,7 +130,7 @@ def _decode_tensor(tensor: Message, index: int, field: str, max_elements: int) -
     if any(size < 0 for size in shape):
         raise datum_error(index, field, f"shape {shape} has a negative dimension")
     if tensor.WhichOneof("encoding") == "sparse_csr":
-        return _densify_csr(tensor.sparse_csr, shape, read_dtype, index, field, max_elements).to(dtype)
+        return _densify_csr(tensor.sparse_csr, shape, read_dtype, index, field).to(dtype)
     values = _values(tensor.dense, read_dtype, index, field)
     shape = shape or [values.numel()]
     if values.numel() != math.prod(shape):
@@ -143,19 +138,35 @@ def _decode_tensor(tensor: Message, index: int, field: str, max_elements: int) -
     return values.reshape(shape).to(dtype)
 
 
-def decode_datums(request: Message, *, max_elements: int = MAX_ELEMENTS) -> list[Datum]:
+def check_input_names(request: Message, known: Collection[str]) -> None:
+    """A :class:`UserError` naming the first datum and input whose name is not one of ``known`` (the inputs of the
+    request's loss), before any tensor is decoded."""
+    for index, datum in enumerate(request.data):
+        for name in sorted(datum.loss_fn_inputs):
+            if name not in known:
+                problem = f"not an input of loss {request.loss_fn!r} (its inputs: {', '.join(known)})"
+                raise datum_error(index, f"loss_fn_inputs.{name}", problem)
+
+
+def decode_datums(
+    request: Message, *, budget: ElementBudget = DEFAULT_BUDGET, inputs: Collection[str] | None = None
+) -> list[Datum]:
     """The datums of a parsed ``ForwardBackwardRequest`` (:func:`engine.spec.tinker_proto.parse_forward_backward`)
-    as tensors. Raises a :class:`UserError` naming the datum and field for a chunk that is not text, a tensor whose
-    bytes do not match its shape and dtype, an unspecified dtype, a negative dimension, bad CSR indices, or a
-    sparse tensor of more than ``max_elements`` elements."""
+    as tensors. Before anything is decoded: a :class:`UserError` for an input name that is none of ``inputs`` (when
+    given), and :class:`~engine.spec.tinker_proto.TooLarge` for dense elements past ``budget``. Then a
+    :class:`UserError` names the datum and field of a chunk that is not text, a tensor whose bytes do not match its
+    shape and dtype, an unspecified dtype, a negative dimension, or bad CSR indices."""
+    if inputs is not None:
+        check_input_names(request, inputs)
+    check_elements(request, budget)
     datums = []
     for index, datum in enumerate(request.data):
         chunks = [_chunk_tokens(index, position, chunk) for position, chunk in enumerate(datum.model_input)]
-        inputs = {
-            name: _decode_tensor(tensor, index, f"loss_fn_inputs.{name}", max_elements)
+        tensors = {
+            name: _decode_tensor(tensor, index, f"loss_fn_inputs.{name}")
             for name, tensor in sorted(datum.loss_fn_inputs.items())
         }
-        datums.append(Datum(tokens=torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64), inputs=inputs))
+        datums.append(Datum(tokens=torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64), inputs=tensors))
     return datums
 
 

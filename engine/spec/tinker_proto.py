@@ -12,9 +12,10 @@ the worker decodes the datums into tensors in engine/session/wire.py.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from enum import IntEnum
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import zstandard
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -24,6 +25,8 @@ PACKAGE = "tinker_public"
 MAX_BODY_BYTES = 64 * 1024 * 1024
 """The default bound on a forward_backward body after decompression (the SDK's chunks are ~5 MB, one long datum
 may be more)."""
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+"""The first bytes of a zstd frame (RFC 8878 §3.1.1); a serialized request starts with its field 1's tag, 0x0a."""
 
 _Field = descriptor_pb2.FieldDescriptorProto
 _BOOL, _BYTES, _DOUBLE, _ENUM = _Field.TYPE_BOOL, _Field.TYPE_BYTES, _Field.TYPE_DOUBLE, _Field.TYPE_ENUM
@@ -50,6 +53,31 @@ class StopReason(IntEnum):
 
 class WireError(ValueError):
     """A body that is not a message of the protocol: bad compression, too large, or not protobuf."""
+
+
+Bound = Literal["body", "datum", "request"]
+"""What a :class:`TooLarge` body passed: its bytes once decompressed, one datum's dense elements, or all of them."""
+
+
+class TooLarge(WireError):
+    """A body past one of its bounds, named by ``bound``, so that the server can name the setting behind it."""
+
+    def __init__(self, message: str, bound: Bound) -> None:
+        super().__init__(message)
+        self.bound: Bound = bound
+
+
+class ElementBudget(NamedTuple):
+    """The most elements a forward_backward may carry once every tensor is dense (a sparse one's shape, not its
+    bytes, is what the worker allocates): its tokens and ``loss_fn_inputs``, per datum and over the request."""
+
+    datum: int
+    request: int
+
+
+DEFAULT_BUDGET = ElementBudget(datum=1 << 22, request=1 << 24)
+"""4M elements a datum (a 128k-token datum with every input of every loss fits 4 times over) and 16M a request
+(64 MiB as float32): what the SDK's densest chunks reach, never what a few sparse shapes claim."""
 
 
 class _MapField(NamedTuple):
@@ -303,7 +331,7 @@ def _decompress(body: bytes, max_bytes: int) -> bytes:
             pieces.append(piece)
             size += len(piece)
             if size > max_bytes:
-                raise WireError(f"the body decompresses to more than {max_bytes} bytes")
+                raise TooLarge(f"the body decompresses to more than {max_bytes} bytes", "body")
     except zstandard.ZstdError as error:
         raise WireError(f"the body is not valid zstd: {error}") from error
     return b"".join(pieces)
@@ -319,10 +347,70 @@ def parse_forward_backward(body: bytes, content_encoding: str | None, *, max_byt
     elif encoding != "identity":
         raise WireError(f"unsupported Content-Encoding {content_encoding!r}: send zstd or none")
     if len(body) > max_bytes:
-        raise WireError(f"the body is {len(body)} bytes, more than {max_bytes}")
+        raise TooLarge(f"the body is {len(body)} bytes, more than {max_bytes}", "body")
     request = ForwardBackwardRequest()
     try:
         request.ParseFromString(body)
     except DecodeError as error:
         raise WireError(f"the body is not a protobuf tinker_public.ForwardBackwardRequest: {error}") from error
     return request
+
+
+def stored_body(body: bytes, content_encoding: str | None) -> bytes:
+    """What the server keeps of a forward_backward body it parsed: zstd-compressed, as the SDK sends it, or
+    compressed here when it came plain (:func:`parse_stored` reads it back)."""
+    if (content_encoding or "").strip().lower() == "zstd":
+        return body
+    return zstandard.ZstdCompressor().compress(body)
+
+
+def parse_stored(payload: bytes, *, max_bytes: int = MAX_BODY_BYTES) -> Message:
+    """The ``ForwardBackwardRequest`` of a stored body (:func:`stored_body`; a plain serialized message, as an
+    earlier version stored it, is read as it is)."""
+    return parse_forward_backward(payload, "zstd" if payload.startswith(ZSTD_MAGIC) else None, max_bytes=max_bytes)
+
+
+_ITEM_BYTES = {DType.FLOAT32: 4, DType.INT64: 8, DType.INT32: 4, DType.BFLOAT16: 2}
+
+
+def tensor_elements(tensor: Message) -> int:
+    """The elements of a ``Tensor`` once dense: the product of its shape (sizes taken positive: a negative one is
+    refused later), or of a dense one without a shape, its bytes over its element size (1 for an unknown dtype)."""
+    if tensor.shape:
+        return math.prod(abs(size) for size in tensor.shape)
+    if tensor.WhichOneof("encoding") == "dense":
+        return len(tensor.dense) // _ITEM_BYTES.get(tensor.dtype, 1)
+    return 0
+
+
+def _chunk_elements(chunk: Message) -> int:
+    """A model-input chunk's elements: its int32 tokens, or the bytes of another kind (refused later)."""
+    kind = chunk.WhichOneof("chunk")
+    if kind == "encoded_text":
+        return len(chunk.encoded_text.tokens) // 4
+    return chunk.ByteSize()
+
+
+def check_elements(request: Message, budget: ElementBudget) -> None:
+    """Raise :class:`TooLarge` when a datum of ``request`` (its tokens and its ``loss_fn_inputs``, each as dense as
+    the worker makes it) or all of them carry more elements than ``budget``: counted from the shapes, before
+    anything is allocated."""
+    total = 0
+    for index, datum in enumerate(request.data):
+        sizes = {f"loss_fn_inputs.{name}": tensor_elements(tensor) for name, tensor in datum.loss_fn_inputs.items()}
+        sizes["model_input"] = sum(_chunk_elements(chunk) for chunk in datum.model_input)
+        elements = sum(sizes.values())
+        if elements > budget.datum:
+            largest = max(sizes, key=lambda field: sizes[field])
+            raise TooLarge(
+                f"data[{index}]: {elements} elements once dense ({largest}: {sizes[largest]}), more than the "
+                f"{budget.datum} a datum may carry",
+                "datum",
+            )
+        total += elements
+        if total > budget.request:
+            raise TooLarge(
+                f"data: {total} elements once dense by data[{index}] of {len(request.data)} datums, more than the "
+                f"{budget.request} a request may carry; send fewer datums a request",
+                "request",
+            )

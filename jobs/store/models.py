@@ -283,7 +283,8 @@ class SessionRequest(Base):
     """``create_model``, ``load_weights``, ``forward``, ``forward_backward``, ``optim_step``, ``save_weights``,
     ``save_weights_for_sampler``, ``sample``."""
     payload: Mapped[bytes] = mapped_column(LargeBinary)
-    """The request body: JSON, or the protobuf of a forward/backward (decompressed)."""
+    """The request body: JSON, or the protobuf of a forward/backward, zstd-compressed (engine/spec/tinker_proto.py
+    ``stored_body``; a plain one stored by an earlier version is read as well)."""
     status: Mapped[str] = mapped_column(String(16), default="pending")
     result: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
     result_format: Mapped[str | None] = mapped_column(String(8), default=None)

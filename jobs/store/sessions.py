@@ -306,6 +306,12 @@ def pending_requests(session: Session, *, session_id: str) -> list[SessionReques
     return list(session.scalars(stmt.order_by(SessionRequest.created_at, SessionRequest.id)))
 
 
+def count_pending(session: Session, *, session_id: str) -> int:
+    """How many of the session's requests wait for its worker."""
+    stmt = select(func.count()).where(SessionRequest.session_id == session_id, SessionRequest.status == "pending")
+    return int(session.scalar(stmt) or 0)
+
+
 def start_request(session: Session, *, request_id: str) -> bool:
     stmt = (
         update(SessionRequest)

@@ -15,6 +15,7 @@ from pydantic_settings import SettingsError as SourceError
 
 from engine.rewards.judge import Endpoint
 from engine.spec.config import TrackingBackend
+from engine.spec.tinker_proto import DEFAULT_BUDGET, Bound, ElementBudget
 
 
 class JudgeSetting(BaseModel):
@@ -149,6 +150,19 @@ class Settings(BaseSettings):
     """The most tokens one Tinker sample request may make its worker decode: ``num_samples`` × ``max_tokens`` (a
     request without ``max_tokens`` counts up to the model's context). A request past it fails before it runs
     (400 at submit when ``max_tokens`` is given, else a ``user`` error), naming this bound."""
+    session_max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    """The largest forward/forward_backward body of a training session once decompressed (its zstd is read with
+    this bound, so a small body never inflates past it): more is refused (413, ``request_too_large``). Bodies are
+    kept compressed until the worker runs them."""
+    session_max_datum_elements: int = Field(default=DEFAULT_BUDGET.datum, ge=1)
+    """The most elements one datum of a forward/forward_backward may carry once dense: its tokens and every
+    ``loss_fn_inputs`` tensor, a sparse one counted by its shape (what the worker would allocate). More: 413."""
+    session_max_request_elements: int = Field(default=DEFAULT_BUDGET.request, ge=1)
+    """The same over all the datums of one request. The API checks both before it stores a request, the worker
+    again before it decodes one."""
+    session_max_pending_requests: int = Field(default=256, ge=1)
+    """The most requests of one training session waiting for its worker: a new one past it is refused (429,
+    ``too_many_pending_requests``), which the SDK retries until earlier ones have run."""
     resend_seconds: int = Field(default=600, ge=1)
     """A queued job no worker has claimed this long after its message went to the broker is sent again, once per
     this many seconds (a message the broker lost; a duplicate is a no-op, the claim being guarded). A job whose
@@ -195,6 +209,11 @@ class Settings(BaseSettings):
     def _dict_variable(cls, value: Any) -> Any:
         """A dict setting's variable: a JSON object."""
         return _json(value, "a JSON object") if isinstance(value, str) else value
+
+    @property
+    def session_budget(self) -> ElementBudget:
+        """The dense elements a training session's forward/forward_backward may carry."""
+        return ElementBudget(datum=self.session_max_datum_elements, request=self.session_max_request_elements)
 
     @property
     def resolved_database_url(self) -> str:
@@ -282,6 +301,14 @@ def load_settings() -> Settings:
         raise InvalidSettings(_problems(e)) from None
     except SourceError as e:  # pydantic-settings' own decoding, should a setting escape the validators above
         raise InvalidSettings([str(e)]) from None
+
+
+SESSION_BOUNDS: dict[Bound, str] = {
+    "body": "RLHF_SESSION_MAX_BODY_BYTES",
+    "datum": "RLHF_SESSION_MAX_DATUM_ELEMENTS",
+    "request": "RLHF_SESSION_MAX_REQUEST_ELEMENTS",
+}
+"""The setting behind each bound of a forward_backward body, named in the error of a body past it."""
 
 
 @lru_cache

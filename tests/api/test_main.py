@@ -59,6 +59,10 @@ DESIGN_ROUTES = {
     ("get", "/api/v1/training_runs"), ("get", "/api/v1/training_runs/{run_id}"),
     ("get", "/api/v1/training_runs/{run_id}/checkpoints"), ("get", "/api/v1/checkpoints"),
     ("delete", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}"),
+    # weights out the Tinker way (issue 39): tinker checkpoint download's export and its files by signed URL
+    ("post", "/api/v1/save_weights_external"), ("put", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl"),
+    ("get", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls"),
+    ("get", "/api/v1/training_runs/{run_id}/checkpoints/external_weights/{name}/files/{file}"),
 }  # fmt: skip
 
 

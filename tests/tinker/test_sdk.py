@@ -6,6 +6,8 @@ test opens its own ``ServiceClient`` (its own session job)."""
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,8 +30,8 @@ MODEL = "qwen2"
 
 
 class Served:
-    def __init__(self, client: Client, data_dir: Path) -> None:
-        self.client, self.data_dir = client, data_dir
+    def __init__(self, client: Client, data_dir: Path, model_root: Path) -> None:
+        self.client, self.data_dir, self.model_root = client, data_dir, model_root
         self.url = client.url
         self.key = (data_dir / KEY_FILE).read_text().strip()
 
@@ -47,7 +49,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         env.setenv("RLHF_LEASE_SECONDS", "6")
         env.setenv("TINKER_TELEMETRY", "0")
         with embedded_server(data_dir, free_port()) as client:
-            yield Served(client, data_dir)
+            yield Served(client, data_dir, root)
 
 
 @pytest.fixture
@@ -335,3 +337,52 @@ def test_bad_input_fails_the_request_as_the_users_and_the_session_goes_on(servic
     assert training.forward_backward([good], "cross_entropy").result().metrics["loss:sum"] > 0
     training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     service.close("success").result()
+
+
+def test_tinker_checkpoint_download_gives_the_saved_adapter_as_peft_loads_it(
+    served: Served, service: Any, tmp_path: Path
+) -> None:
+    """The SDK's CLI against this server: ``tinker checkpoint download`` of a ``save_state`` path loads it in a new
+    session, exports it (``save_weights_external``), fetches each file by the URLs the server signed (plain urllib,
+    no key), and deletes the export. The files are a PEFT adapter that gives the trained model's log-probs."""
+    training = service.create_lora_training_client(base_model=MODEL, rank=4, seed=5).result()
+    tokenizer = training.get_tokenizer()
+    data = [chat_datum(tokenizer, "Say hi", "hi there")]
+    training.forward_backward(data, "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    state = training.save_state("final").result().path
+    served_logprobs = training.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
+    service.close("success").result()
+    session_id = training.model_id.split(":")[0]
+    wait_until(lambda: served.client.get_job(session_id)["status"] == "succeeded")  # the train worker is free
+
+    env = {**os.environ, "TINKER_API_KEY": f"tml-{served.key}", "TINKER_BASE_URL": served.url, "TINKER_TELEMETRY": "0"}
+    command = [sys.executable, "-m", "tinker.cli", "checkpoint", "download", state, "--output", str(tmp_path)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    folder = tmp_path / state.removeprefix("tinker://").replace("/", "_")
+    names = {path.name for path in folder.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"} <= names, names
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == MODEL
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(served.model_root / MODEL, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, folder).eval()
+    tokens = torch.tensor([data[0].model_input.to_ints()])  # (1, N)
+    targets = torch.tensor(data[0].loss_fn_inputs["target_tokens"].data)  # (N,)
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits[0].float()  # (N, V)
+    logprobs = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]  # (N,)
+    assert torch.allclose(logprobs, torch.tensor(served_logprobs), atol=1e-4), (logprobs, served_logprobs)
+
+    # the export is gone again, the saved state stays; the CLI's own session ended as a success
+    rest = tinker.RestClient(base_url=served.url, api_key=f"tml-{served.key}")
+    assert [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [state]
+    runs = rest.list_training_runs().result().training_runs  # newest first: the CLI's is among them
+    [exported] = [run for run in runs if run.user_metadata == {"created_by": "tinker checkpoint download"}]
+    assert rest.list_checkpoints(exported.training_run_id).result().checkpoints == []
+    cli_session = exported.training_run_id.split(":")[0]
+    wait_until(lambda: served.client.get_job(cli_session)["status"] == "succeeded")

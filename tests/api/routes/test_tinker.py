@@ -4,10 +4,12 @@ driving a real server is tests/tinker/test_sdk.py."""
 
 import json
 import re
+import time
 from datetime import timedelta
 from typing import Any
 
 import pytest
+import zstandard
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from tinker import types
@@ -15,6 +17,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from api.main import create_app
 from api.routes import tinker as routes
+from api.services import sessions as service
 from jobs.store import refs, sessions
 from jobs.store.db import session_scope
 from jobs.store.models import utcnow
@@ -308,9 +311,13 @@ def test_every_tinker_route_keeps_another_projects_sessions_models_and_weights_o
                                                                 "base_model": "builtin:tiny"})  # fmt: skip
     sampler_id = sampler.json()["sampling_session_id"]
     with session_scope(settings.resolved_database_url) as session:
-        for kind in ("weights", "sampler_weights"):
+        for kind in ("weights", "sampler_weights", "external_weights"):
+            folder = settings.resolved_artifacts_dir / "jobs" / session_id / kind / "0" / "a"
+            folder.mkdir(parents=True)
+            (folder / "config.json").write_text("{}")
             sessions.add_checkpoint(session, session_id=session_id, project_id=project.id, model_id=model_id,
-                                    kind=kind, name="a", path=f"sessions/{kind}", step=None, size_bytes=1)  # fmt: skip
+                                    kind=kind, name="a", path=f"jobs/{session_id}/{kind}/0/a", step=None,
+                                    size_bytes=2)  # fmt: skip
     weights, sampler_weights = f"tinker://{model_id}/weights/a", f"tinker://{model_id}/sampler_weights/a"
     fwdbwd = forward_backward_request_to_proto(types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=[types.Datum(
@@ -343,6 +350,10 @@ def test_every_tinker_route_keeps_another_projects_sessions_models_and_weights_o
         ("GET", "/api/v1/training_runs/{run_id}/checkpoints"): {},
         ("DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}"): {},
         ("POST", "/api/v1/weights_info"): {"json": {"tinker_path": weights}},
+        ("POST", "/api/v1/save_weights_external"): {"json": {"model_id": model_id, "seq_id": 1, "path": "b"}},
+        ("GET", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls"): {},
+        ("PUT", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl"): {"json": {"ttl_seconds": 3600}},
+        ("GET", "/api/v1/training_runs/{run_id}/checkpoints/external_weights/{name}/files/{file}"): {},
     }
     # fmt: on
     listing = {
@@ -358,7 +369,7 @@ def test_every_tinker_route_keeps_another_projects_sessions_models_and_weights_o
         ("POST", "/api/v1/create_session"): {"json": {"sdk_version": "0.38.0"}},
     }
     ids = {"{session_id}": session_id, "{sampler_id}": sampler_id, "{run_id}": model_id, "{kind}": "weights",
-           "{name}": "a"}  # fmt: skip
+           "{name}": "a", "{file}": "config.json"}  # fmt: skip
     other = TestClient(app, headers=headers(new_project(settings, "other")))
     walked = set()
     for route in [*hidden, *listing, *project_free]:
@@ -381,8 +392,213 @@ def test_every_tinker_route_keeps_another_projects_sessions_models_and_weights_o
     # and nothing of this project changed
     assert api.post("/api/v1/session_heartbeat", json={"session_id": session_id}).status_code == 200
     listed = api.get(f"/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
-    assert sorted(c["checkpoint_id"] for c in listed) == ["sampler_weights/a", "weights/a"]
+    assert sorted(c["checkpoint_id"] for c in listed) == ["external_weights/a", "sampler_weights/a", "weights/a"]
+    mine = api.get(f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/a/files/config.json")
+    assert (mine.status_code, mine.content) == (200, b"{}")  # what the other key was refused is there
     with session_scope(settings.resolved_database_url) as session:
         assert [(r.kind, r.seq_id) for r in sessions.pending_requests(session, session_id=session_id)] == [
             ("create_model", 0)
         ]
+
+
+def test_weights_named_only_by_dots_are_refused_and_a_delete_removes_its_checkpoint_alone(
+    api: TestClient, project: Project, settings: Settings
+) -> None:
+    session_id = session_of(api)
+    model_id = create_model(api, session_id)["model_id"]
+    for seq_id, name in enumerate((".", "..", "...", "a/b", ""), start=1):
+        for route in ("save_weights", "save_weights_for_sampler"):
+            refused = api.post(f"/api/v1/{route}", json={"model_id": model_id, "seq_id": seq_id, "path": name})
+            assert refused.status_code in (400, 422) and refused.json()["error"]["param"] == "path", refused.text
+    # rows an earlier version let in: ".." stood for the folder of every model's saved weights
+    weights = settings.resolved_artifacts_dir / "jobs" / session_id / "weights"
+    for folder in (weights / "0" / "mine", weights / "1" / "theirs"):
+        folder.mkdir(parents=True)
+        (folder / "state.pt").write_bytes(b"w")
+    with session_scope(settings.resolved_database_url) as session:
+        for name, path in (("mine", "0/mine"), ("..", "0/.."), ("theirs", "1/theirs")):
+            sessions.add_checkpoint(session, session_id=session_id, project_id=project.id, model_id=model_id,
+                                    kind="weights", name=name, path=f"jobs/{session_id}/weights/{path}", step=None,
+                                    size_bytes=1)  # fmt: skip
+    assert api.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights/%2E%2E").status_code == 200
+    assert (weights / "0" / "mine" / "state.pt").exists() and (weights / "1" / "theirs" / "state.pt").exists()
+    assert api.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights/mine").status_code == 200
+    assert not (weights / "0" / "mine").exists() and (weights / "1" / "theirs" / "state.pt").exists()
+    listed = api.get(f"/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+    assert [c["checkpoint_id"] for c in listed] == ["weights/theirs"]
+
+
+def test_integers_past_their_range_and_sampling_params_of_the_wrong_type_are_4xx_naming_the_field(
+    api: TestClient,
+) -> None:
+    session_id = session_of(api)
+    model_id = create_model(api, session_id)["model_id"]
+    sampler = api.post("/api/v1/create_sampling_session", json={"session_id": session_id, "sampling_session_seq_id": 0,
+                                                                "base_model": "builtin:tiny"})  # fmt: skip
+    sampler_id = sampler.json()["sampling_session_id"]
+    huge = 2**63
+    calls = [
+        ("/api/v1/optim_step", {"model_id": model_id, "seq_id": huge, "adam_params": {}}, "seq_id"),
+        ("/api/v1/save_weights", {"model_id": model_id, "seq_id": huge, "path": "a"}, "seq_id"),
+        ("/api/v1/create_model", {"session_id": session_id, "model_seq_id": huge, "base_model": "builtin:tiny"},
+         "model_seq_id"),
+        ("/api/v1/asample", {"sampling_session_id": sampler_id, "seq_id": huge, "prompt": {"chunks": []},
+                             "sampling_params": {}}, "seq_id"),
+    ]  # fmt: skip
+    for field, value in (("max_tokens", "many"), ("temperature", "hot"), ("seed", 2**64), ("stop", {"a": 1}),
+                         ("top_k", [1]), ("top_p", "x"), ("max_tokens", huge)):  # fmt: skip
+        body = {"sampling_session_id": sampler_id, "seq_id": 1, "prompt": {"chunks": []},
+                "sampling_params": {field: value}}  # fmt: skip
+        calls.append(("/api/v1/asample", body, f"sampling_params.{field}"))
+    for path, body, field in calls:
+        answer = api.post(path, json=body)
+        assert 400 <= answer.status_code < 500, (path, body, answer.text)
+        assert answer.json()["error"]["param"] == field, (path, body, answer.text)
+    for path in ("/api/v1/training_runs", "/api/v1/checkpoints", "/api/v1/sessions"):
+        answer = api.get(path, params={"offset": huge})
+        assert 400 <= answer.status_code < 500 and answer.json()["error"]["param"] == "offset", (path, answer.text)
+        assert api.get(path, params={"limit": huge}).status_code == 200  # a limit past the page size is the page
+
+
+def fwdbwd_body(model_id: str, seq_id: int, data: list[types.Datum]) -> Any:
+    """The SDK's protobuf of a forward_backward of ``data`` (a message, to change before it is serialized)."""
+    return forward_backward_request_to_proto(types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+        model_id=model_id, seq_id=seq_id,
+    ))  # fmt: skip
+
+
+def a_datum(n: int = 3) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(list(range(1, n + 1))),
+                       loss_fn_inputs={"target_tokens": list(range(2, n + 2)), "weights": [1.0] * n})  # fmt: skip
+
+
+def test_a_forward_backward_past_the_dense_element_budget_is_refused_before_it_is_stored(
+    settings: Settings, project: Project, calls: Calls
+) -> None:
+    bounded = settings.model_copy(update={"session_max_datum_elements": 100, "session_max_request_elements": 250})
+    api = TestClient(create_app(bounded, enqueue=calls.enqueue, recovery_interval=None), headers=headers(project))
+    session_id = session_of(api)
+    model_id = create_model(api, session_id)["model_id"]
+    proto = {"Content-Type": "application/x-protobuf"}
+    fits = fwdbwd_body(model_id, 1, [a_datum(30)] * 2)  # 90 elements a datum, 180 in all
+    assert api.post("/api/v1/forward_backward", content=fits.SerializeToString(), headers=proto).status_code == 200
+    too_many = fwdbwd_body(model_id, 2, [a_datum(30)] * 3)  # 270 in all
+    refused = api.post("/api/v1/forward_backward", content=too_many.SerializeToString(), headers=proto)
+    assert (refused.status_code, refused.json()["error"]["code"]) == (413, "request_too_large")
+    assert "RLHF_SESSION_MAX_REQUEST_ELEMENTS" in refused.json()["error"]["message"]
+    # the probe's body: 16 empty sparse int64 tensors of shape (1, 2^26), 512 MiB apiece once dense
+    sparse = fwdbwd_body(model_id, 2, [a_datum()])
+    for name in [f"extra{i}" for i in range(16)]:
+        tensor = sparse.data[0].loss_fn_inputs[name]
+        tensor.dtype, tensor.shape[:] = 2, [1, 1 << 26]
+        tensor.sparse_csr.crow_indices = b"\x00" * 16
+    body = sparse.SerializeToString()
+    assert len(body) < 1024
+    refused = api.post("/api/v1/forward_backward", content=body, headers=proto)
+    assert (refused.status_code, refused.json()["error"]["code"]) == (413, "request_too_large")
+    assert "data[0]" in refused.json()["error"]["message"]
+    assert "RLHF_SESSION_MAX_DATUM_ELEMENTS" in refused.json()["error"]["message"]
+    with session_scope(settings.resolved_database_url) as session:
+        stored = sessions.pending_requests(session, session_id=session_id)
+    assert [(r.kind, r.seq_id) for r in stored] == [("create_model", 0), ("forward_backward", 1)]
+
+
+def test_forward_backward_bodies_are_bounded_decompressed_and_kept_compressed(
+    settings: Settings, project: Project, calls: Calls
+) -> None:
+    bounded = settings.model_copy(update={"session_max_body_bytes": 64 * 1024})
+    api = TestClient(create_app(bounded, enqueue=calls.enqueue, recovery_interval=None), headers=headers(project))
+    session_id = session_of(api)
+    model_id = create_model(api, session_id)["model_id"]
+    zstd = {"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
+    bomb = zstandard.ZstdCompressor().compress(b"\x00" * (16 * 1024 * 1024))  # a few KB, 16 MiB inside
+    assert len(bomb) < 4096
+    refused = api.post("/api/v1/forward_backward", content=bomb, headers=zstd)
+    assert (refused.status_code, refused.json()["error"]["code"]) == (413, "request_too_large")
+    assert "RLHF_SESSION_MAX_BODY_BYTES" in refused.json()["error"]["message"]
+    plain = fwdbwd_body(model_id, 1, [a_datum(200)] * 8).SerializeToString()
+    compressed = zstandard.ZstdCompressor().compress(fwdbwd_body(model_id, 2, [a_datum(200)] * 8).SerializeToString())
+    assert api.post("/api/v1/forward_backward", content=plain, headers={"Content-Type": "application/x-protobuf"})
+    assert api.post("/api/v1/forward_backward", content=compressed, headers=zstd).status_code == 200
+    with session_scope(settings.resolved_database_url) as session:
+        stored = {r.seq_id: r.payload for r in sessions.pending_requests(session, session_id=session_id)}
+    assert stored[2] == compressed  # as the client sent it
+    assert len(stored[1]) < len(plain) // 4 and zstandard.ZstdDecompressor().decompress(stored[1]) == plain
+
+
+def test_the_requests_a_session_has_waiting_are_bounded(settings: Settings, project: Project, calls: Calls) -> None:
+    bounded = settings.model_copy(update={"session_max_pending_requests": 2})
+    api = TestClient(create_app(bounded, enqueue=calls.enqueue, recovery_interval=None), headers=headers(project))
+    session_id = session_of(api)
+    future = create_model(api, session_id)
+    step = {"model_id": future["model_id"], "adam_params": {"learning_rate": 1e-3}}
+    first = api.post("/api/v1/optim_step", json={**step, "seq_id": 1})
+    assert first.status_code == 200
+    refused = api.post("/api/v1/optim_step", json={**step, "seq_id": 2})
+    assert (refused.status_code, refused.json()["error"]["code"]) == (429, "too_many_pending_requests")
+    assert "RLHF_SESSION_MAX_PENDING_REQUESTS" in refused.json()["error"]["message"]
+    again = api.post("/api/v1/optim_step", json={**step, "seq_id": 1})  # the SDK's resend is the same request
+    assert (again.status_code, again.json()["request_id"]) == (200, first.json()["request_id"])
+    with session_scope(settings.resolved_database_url) as session:
+        sessions.complete_request(session, request_id=future["request_id"], result=b"{}", result_format="json")
+    assert api.post("/api/v1/optim_step", json={**step, "seq_id": 2}).status_code == 200
+
+
+def test_external_weights_download_by_urls_this_server_signs_until_they_expire(
+    api: TestClient, app: FastAPI, project: Project, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session_id = session_of(api)
+    model_id = create_model(api, session_id)["model_id"]
+    folder = settings.resolved_artifacts_dir / "jobs" / session_id / "external_weights" / "0" / "final"
+    files = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": b"\x01" * 3000, "sub/x.txt": b"x"}
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    (folder / "link").symlink_to(folder / "adapter_config.json")  # never served
+    checkpoint = {"session_id": session_id, "project_id": project.id, "model_id": model_id, "kind": "external_weights",
+                  "name": "final", "path": f"jobs/{session_id}/external_weights/0/final", "step": None,
+                  "size_bytes": 3010}  # fmt: skip
+    with session_scope(settings.resolved_database_url) as session:
+        sessions.add_checkpoint(session, **checkpoint)
+    checkpoints = f"/api/v1/training_runs/{model_id}/checkpoints"
+    answer = api.get(f"{checkpoints}/external_weights/final/external_weights_urls").json()
+    assert sorted(answer["urls"]) == sorted(files)
+    anonymous = TestClient(app)  # as urllib fetches them: no key
+    for name, url in answer["urls"].items():
+        assert url.startswith("http://testserver/api/v1/")
+        got = anonymous.get(url)
+        assert (got.status_code, got.content, got.headers["content-length"]) == (
+            200,
+            files[name],
+            str(len(files[name])),
+        )
+    url = answer["urls"]["adapter_model.safetensors"]
+    forged = [url[:-1] + ("0" if url[-1] != "0" else "1"), url.replace("adapter_model.safetensors", "link"),
+              url.replace("adapter_model.safetensors", "adapter_config.json"), url.split("?")[0]]  # fmt: skip
+    for bad in forged:
+        refused = anonymous.get(bad)
+        assert (refused.status_code, refused.json()["error"]["code"]) == (401, "invalid_api_key"), bad
+    other = TestClient(app, headers=headers(new_project(settings, "other")))
+    assert other.get(url.split("?")[0]).status_code == 404
+    assert api.get(url.split("?")[0]).content == files["adapter_model.safetensors"]  # the owner's key opens it
+    assert api.get(url.split("?")[0].replace("adapter_model.safetensors", "link")).status_code == 404
+    later = time.time() + 3601
+    monkeypatch.setattr(service.time, "time", lambda: later)
+    assert anonymous.get(url).status_code == 401  # expired
+    monkeypatch.undo()
+    # weights deleted and saved again under the name: the old URLs do not reach them
+    assert api.delete(f"{checkpoints}/external_weights/final").status_code == 200
+    assert not folder.exists()
+    folder.mkdir(parents=True)
+    (folder / "adapter_model.safetensors").write_bytes(b"\x02")
+    with session_scope(settings.resolved_database_url) as session:
+        sessions.add_checkpoint(session, **checkpoint)
+    assert anonymous.get(url).status_code == 401
+    # the SDK's set_checkpoint_ttl is accepted for the caller's weights; training weights are not downloaded by URL
+    assert api.put(f"{checkpoints}/external_weights/final/ttl", json={"ttl_seconds": 3600}).status_code == 200
+    assert api.put(f"{checkpoints}/external_weights/final/ttl", json={"ttl_seconds": 5}).status_code == 422
+    assert api.put(f"{checkpoints}/external_weights/nope/ttl", json={"ttl_seconds": None}).status_code == 404
+    with session_scope(settings.resolved_database_url) as session:
+        sessions.add_checkpoint(session, **{**checkpoint, "kind": "weights"})
+    assert api.get(f"{checkpoints}/weights/final/external_weights_urls").status_code == 400

@@ -27,7 +27,15 @@ from engine.session.wire import (
     loss_config,
 )
 from engine.spec import tinker_proto
-from engine.spec.tinker_proto import WireError, parse_forward_backward
+from engine.spec.tinker_proto import (
+    ElementBudget,
+    TooLarge,
+    WireError,
+    check_elements,
+    parse_forward_backward,
+    parse_stored,
+    stored_body,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -307,13 +315,47 @@ def test_a_good_csr_of_the_wire_decodes_as_the_naive_loop() -> None:
     assert weights.tolist() == naive_dense(crow, col, values, [2, 3])
 
 
-def test_a_sparse_tensor_past_the_element_bound_is_refused() -> None:
-    message = sdk_message(sdk_body([a_good_datum()]))
-    message.data[0].loss_fn_inputs["weights"].CopyFrom(csr_weights([0, 0, 0], [], []))
+def test_dense_elements_past_the_datum_or_request_budget_are_refused_before_anything_is_allocated() -> None:
+    message = sdk_message(sdk_body([a_good_datum()] * 3))
+    message.data[1].loss_fn_inputs["weights"].CopyFrom(csr_weights([0, 0, 0], [], []))  # 6 elements once dense
     request = parse_forward_backward(message.SerializeToString(), None)
-    assert decode_datums(request, max_elements=6)[0].inputs["weights"].tolist() == [[0.0] * 3] * 2
-    with pytest.raises(UserError, match=r"^data\[0\]\.loss_fn_inputs\.weights: .*more than 5 elements"):
-        decode_datums(request, max_elements=5)
+    # per datum: 3 tokens + 3 targets + 3 weights, or 6 of a sparse (2, 3) weights: 9, 12 and 9
+    assert decode_datums(request, budget=ElementBudget(datum=12, request=30))[1].inputs["weights"].shape == (2, 3)
+    with pytest.raises(TooLarge, match=r"^data\[1\]: 12 elements once dense \(loss_fn_inputs\.weights: 6\), more "
+                       r"than the 11 a datum") as datum:  # fmt: skip
+        decode_datums(request, budget=ElementBudget(datum=11, request=30))
+    assert datum.value.bound == "datum"
+    with pytest.raises(TooLarge, match=r"^data: 30 elements .* by data\[2\] of 3 datums, more than the 29") as total:
+        decode_datums(request, budget=ElementBudget(datum=12, request=29))
+    assert total.value.bound == "request"
+    # a sparse shape of 2^26 x 2^26 in a few bytes is counted, not allocated
+    message.data[0].loss_fn_inputs["weights"].shape[:] = [1 << 26, 1 << 26]
+    with pytest.raises(TooLarge, match=f"loss_fn_inputs.weights: {1 << 52}"):
+        check_elements(message, ElementBudget(datum=1 << 22, request=1 << 24))
+
+
+def test_input_names_the_loss_does_not_take_are_refused_before_decoding() -> None:
+    message = sdk_message(sdk_body([a_good_datum(), a_good_datum()]))
+    message.data[1].loss_fn_inputs["mask"].CopyFrom(
+        tinker_public_pb2.Tensor(dense=b"\x00" * 3, dtype=FLOAT32, shape=[1 << 40])  # would not decode either
+    )
+    request = parse_forward_backward(message.SerializeToString(), None)
+    with pytest.raises(UserError, match=r"^data\[1\]\.loss_fn_inputs\.mask: not an input of loss 'cross_entropy' "
+                       r"\(its inputs: target_tokens, weights\)"):  # fmt: skip
+        decode_datums(request, inputs=("target_tokens", "weights"))
+
+
+def test_a_body_is_stored_compressed_and_read_back() -> None:
+    body = sdk_body([a_good_datum()] * 20)
+    compressed = zstandard.ZstdCompressor(level=1).compress(body)
+    assert stored_body(compressed, "zstd") == compressed  # as the SDK sent it
+    plain = stored_body(body, None)
+    assert len(plain) < len(body) and zstandard.ZstdDecompressor().decompress(plain) == body
+    for payload in (compressed, plain, body):  # the last: a plain message, as an earlier version stored it
+        assert parse_stored(payload).SerializeToString() == parse_forward_backward(body, None).SerializeToString()
+    with pytest.raises(TooLarge, match=f"more than {len(body) - 1} bytes") as past:
+        parse_stored(plain, max_bytes=len(body) - 1)
+    assert past.value.bound == "body"
 
 
 def test_bodies_that_are_not_requests_are_wire_errors() -> None:
