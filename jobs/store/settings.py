@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine.callbacks import VllmSettings
 from engine.rewards.judge import Endpoint
 from engine.spec.config import TrackingBackend
 
@@ -178,6 +179,13 @@ class Settings(BaseSettings):
     @property
     def resolved_artifacts_dir(self) -> Path:
         return (self.artifacts_dir or self.data_dir / "artifacts").resolve()
+
+    def vllm(self) -> VllmSettings | None:
+        """The vLLM a ``rollout_engine: vllm`` job samples on (``RLHF_VLLM_URL``, else ``RLHF_VLLM_PYTHON``), or None:
+        what a train worker offers its jobs and ``rlhf train`` uses unless told another."""
+        if self.vllm_url is None and self.vllm_python is None:
+            return None
+        return VllmSettings(python=self.vllm_python, url=self.vllm_url, start_timeout=self.vllm_start_timeout_seconds)
 
     def prepare_data_dir(self) -> None:
         """Create ``data_dir`` and the SQLite stores of the embedded defaults (database, broker, results) owner-only
