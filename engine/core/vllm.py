@@ -18,6 +18,7 @@ stops answering is :class:`RolloutEngineLost`: the attempt is lost, the job resu
 """
 
 import os
+import re
 import secrets
 import signal
 import socket
@@ -36,6 +37,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from engine.callbacks import VllmSettings
 from engine.core.models import token_logprobs
 
+LOG_TAIL_BYTES = 256 * 1024
+"""How much of the end of a server's log is searched for its error."""
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ranks vLLM's ``--max-lora-rank`` accepts."""
 
@@ -50,6 +53,23 @@ class RolloutEngineLost(RuntimeError):
 
 class RolloutOutOfSyncError(RuntimeError):
     """After a sync, vLLM's log-probs of the probe are not the trainer's: it is not sampling the trained policy."""
+
+
+LOG_PREFIX = re.compile(r"^\((?:\w+ )?pid=\d+\) (?:ERROR|WARNING|INFO|DEBUG) [\d-]+ [\d:]+ \[[^\]]*\] ?")
+"""What vLLM puts before each line of its log: ``(Worker pid=18636) ERROR 12-08 00:55:42 [file.py:1063] ``."""
+ERROR_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
+
+
+def server_error(log: str) -> str | None:
+    """The vLLM server's own last error in its log (``RuntimeError: Unsupported CPU attention configuration:
+    head_dim=16 ...``): the last line that names an exception, less those that only point at another
+    ("EngineCore encountered an issue. See stack trace (above)"), and less its module path; None without one."""
+    found = None
+    for line in log.splitlines():
+        match = ERROR_LINE.search(LOG_PREFIX.sub("", line).strip())
+        if match and "stack trace" not in match.group(2):
+            found = f"{match.group(1).rsplit('.', 1)[-1]}: {match.group(2).strip()}"
+    return found
 
 
 def free_port() -> int:
@@ -94,7 +114,7 @@ class VllmServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RolloutEngineError(f"the vLLM server exited with code {self.process.returncode} while "
-                                         f"starting: {self.log_tail()}")  # fmt: skip
+                                         f"starting: {self.cause()}")  # fmt: skip
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return
@@ -102,16 +122,22 @@ class VllmServer:
                 pass
             time.sleep(1)
         self.close()
-        raise RolloutEngineError(f"the vLLM server did not answer within {timeout:.0f} s: {self.log_tail()}")
+        raise RolloutEngineError(f"the vLLM server did not answer within {timeout:g} s: {self.cause()}")
 
     def exit_code(self) -> int | None:
         return self.process.poll()
 
-    def log_tail(self, lines: int = 8) -> str:
+    def cause(self) -> str:
+        """The server's own last error (:func:`server_error`), else its log's last line, and where its log is."""
         try:
-            return " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
+            with self.log_path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+                log = f.read().decode(errors="replace")
         except OSError:
-            return "(no log)"
+            log = ""
+        lines = log.strip().splitlines()
+        said = server_error(log) or (LOG_PREFIX.sub("", lines[-1]).strip() if lines else "its log is empty")
+        return f"{said} (the server's log: {self.log_path})"
 
     def close(self) -> None:
         """Stop the server's whole process group (its engine processes too, which outlive an API process that
@@ -178,10 +204,14 @@ class VllmSampler:
         except httpx.TransportError as e:
             died = ""
             if self.server is not None and (exit_code := self.server.exit_code()) is not None:
-                died = f" (it exited with code {exit_code}: {self.server.log_tail(3)})"
+                died = f" (it exited with code {exit_code}: {self.server.cause()})"
             raise RolloutEngineLost(f"the vLLM server at {self.url} is gone{died}: {e}") from e
         if response.status_code >= 400:
-            raise RolloutEngineError(f"the vLLM server refused {path} ({response.status_code}): {response.text[:500]}")
+            why = ""
+            if response.status_code >= 500 and self.server is not None:  # its answer: "see the stack trace above"
+                why = f"; the server's error: {self.server.cause()}"
+            raise RolloutEngineError(f"the vLLM server refused {path} ({response.status_code}): "
+                                     f"{response.text[:500]}{why}")  # fmt: skip
         if "json" not in response.headers.get("content-type", ""):
             return response.text  # the adapter endpoints answer in plain text
         return response.json()

