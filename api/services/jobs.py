@@ -58,6 +58,7 @@ def validated_spec(
             reward_functions=settings.reward_functions,
             judges=settings.judges.keys(),
             source_graders=settings.source_graders,
+            own_urls=settings.own_urls,
             pending=pending,
         )
     except SpecReferenceError as e:
