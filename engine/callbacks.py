@@ -22,6 +22,9 @@ class VllmSettings:
     """Seconds a started server may take to answer ``/health``."""
     skip_sync_at: int | None = None
     """A test hook: the sync due after this many optimizer steps is not made (the check must then fail)."""
+    server: object | None = None
+    """A test hook: a running :class:`engine.core.vllm.VllmServer` the job samples on as on its own, and leaves
+    running (tests share one across their jobs: a start takes a minute)."""
 
 
 class Callbacks:

@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -117,9 +118,12 @@ def positive_int(text: str) -> int:
     return value
 
 
-def cmd_train(args: argparse.Namespace) -> None:
+def cmd_train(args: argparse.Namespace, vllm: VllmSettings | None = None) -> None:
+    """``train`` on the vLLM ``--vllm-python`` or ``--vllm-url`` names, else on ``vllm`` (``rlhf train``: the one
+    the service's settings name), keeping its start timeout."""
     quiet_transformers()
-    vllm = VllmSettings(python=args.vllm_python, url=args.vllm_url) if args.vllm_python or args.vllm_url else None
+    if args.vllm_python or args.vllm_url:
+        vllm = replace(vllm or VllmSettings(), python=args.vllm_python, url=args.vllm_url)
     train(parse_spec(read_spec(args.spec), str(args.spec)), args.out, restart=args.restart, vllm=vllm)
 
 
@@ -184,6 +188,7 @@ def add_train_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--vllm-python", help="rollout_engine vllm: the python of an environment with vLLM, to start one")
     p.add_argument("--vllm-url", help="rollout_engine vllm: or a running vLLM server to sample on")
+    p.add_argument("--traceback", action="store_true", help="on an error, show its traceback, not one line")
     p.set_defaults(func=cmd_train)
     return p
 
@@ -208,12 +213,24 @@ def chat_prompts(texts: list[str], system: str | None) -> list[list[Message]]:
 
 
 def run_command(args: argparse.Namespace) -> None:
-    """Run a parsed command; errors of the user's making end in one line, not a traceback. (Commands that load
+    """Run a parsed command; an error ends it in one line and exit status 1, not a traceback (``--traceback``
+    shows it). Errors of the user's making (bad references, rows, sizes: ValueError) and of what a job relies on
+    (a vLLM server, a reward service) say only their message; another names its kind too. (Commands that load
     models quiet transformers themselves: the service's commands must run where it is not installed.)"""
     try:
         args.func(args)
-    except ValueError as e:  # bad model or dataset references, rows, sizes
-        raise SystemExit(f"error: {e}") from None
+    except Exception as e:
+        if getattr(args, "traceback", False):
+            raise
+        raise SystemExit(f"error: {one_line(e)}") from None
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (its lines joined), after its kind unless it is one the engine raises for
+    the job (its module under ``engine``) or a ValueError."""
+    message = " | ".join(line.strip() for line in str(error).splitlines() if line.strip()) or "(no message)"
+    ours = type(error).__module__.split(".")[0] == "engine" or isinstance(error, ValueError)
+    return message if ours else f"{type(error).__name__}: {message}"
 
 
 def main(argv: list[str] | None = None) -> None:

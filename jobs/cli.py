@@ -101,6 +101,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     client.cmd_generate(args)
 
 
+def cmd_train(args: argparse.Namespace) -> None:
+    """``rlhf train``: the engine's, on the vLLM the service's settings name (``RLHF_VLLM_PYTHON``,
+    ``RLHF_VLLM_URL``, ``RLHF_VLLM_START_TIMEOUT_SECONDS``, as a train worker reads them) unless ``--vllm-python``
+    or ``--vllm-url`` names another."""
+    engine_cli.cmd_train(args, vllm=get_settings().vllm())
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     if args.local:
         engine_cli.cmd_demo(args)
@@ -190,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="unpack into a non-empty folder, replacing the model's files")
     p.set_defaults(func=client.cmd_download)
 
-    engine_cli.add_train_command(sub)
+    engine_cli.add_train_command(sub).set_defaults(func=cmd_train)
 
     p = engine_cli.add_demo_command(sub)
     p.add_argument("--local", action="store_true", help="train in this process, without the server")

@@ -158,11 +158,8 @@ class DbCallbacks(Callbacks):
     def __init__(self, job_id: str, *, settings: Settings, worker: str, out_dir: Path) -> None:
         self.job_id = job_id
         self.judges = settings.judges
-        self.vllm_settings = None
+        self.vllm_settings = settings.vllm()
         """The vLLM this worker offers its jobs (``RLHF_VLLM_URL``, else ``RLHF_VLLM_PYTHON``), or None."""
-        if settings.vllm_url is not None or settings.vllm_python is not None:
-            self.vllm_settings = VllmSettings(python=settings.vllm_python, url=settings.vllm_url,
-                                              start_timeout=settings.vllm_start_timeout_seconds)  # fmt: skip
         self.worker = worker
         self.url = settings.resolved_database_url
         self.lease_seconds = settings.lease_seconds

@@ -44,7 +44,7 @@ def checked_grader(settings: Settings, data: Any) -> Grader:
         raise ApiError(400, "invalid_request", f"{dotted(tuple(first['loc'])) or 'grader'}: {first['msg']}",
                        param=dotted(("grader", *first["loc"]))) from None  # fmt: skip
     problems = graders.check_allowed(grader, settings.reward_urls, settings.reward_functions,
-                                     settings.judges.keys(), settings.source_graders)  # fmt: skip
+                                     settings.judges.keys(), settings.source_graders, settings.own_urls)  # fmt: skip
     if problems:
         raise ApiError(400, "reward_not_allowed", "; ".join(problems), param="grader")
     return grader

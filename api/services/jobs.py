@@ -59,6 +59,7 @@ def validated_spec(
             reward_functions=settings.reward_functions,
             judges=settings.judges.keys(),
             source_graders=settings.source_graders,
+            own_urls=settings.own_urls,
             pending=pending,
         )
     except SpecReferenceError as e:
@@ -76,6 +77,16 @@ def validated_spec(
         spec["hyperparameters"] = JobSpec.model_validate(
             {**body, "hyperparameters": {**given, **chosen}}
         ).hyperparameters
+    if spec["hyperparameters"].get("rollout_engine") == "vllm" and settings.vllm() is None:
+        # the server's settings are its workers' (docs/deployment.md: the same settings on every host)
+        message = (
+            "hyperparameters.rollout_engine is vllm, and this server offers no vLLM: its operator sets "
+            "RLHF_VLLM_PYTHON (the python of an environment with vLLM installed) or RLHF_VLLM_URL (a running vLLM "
+            'server); or use "builtin", the trainer\'s own sampler'
+        )
+        raise ApiError(
+            422, "rollout_engine_unavailable", message, param=param_prefix + "hyperparameters.rollout_engine"
+        )
     if (device := settings.device_memory.get(spec["resources"]["queue"])) is not None:
         _check_fits(session, settings, project, spec, int(device), param_prefix)
     return spec, pending

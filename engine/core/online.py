@@ -3,6 +3,7 @@ the policy, rolling out a batch's prompt rows, the sampling and shuffling genera
 PPO's critic with the scorer of its reward.
 """
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -89,9 +90,16 @@ def open_rollout_engine(run: Run, cfg: OnlineConfig, policy: PreTrainedModel, ma
         )
     lora_rank = run.spec.lora.r if run.spec.lora is not None else None
     base_state = merged_state_dict(policy, adapters=False) if lora_rank is not None else None
+    started = time.monotonic()
+    if settings.url is None:  # a minute or so: vLLM loads the model, profiles it and warms up
+        run.callbacks.on_event("info", f"starting vLLM ({settings.python}); it may take a minute or two",
+                               {"python": settings.python, "start_timeout": settings.start_timeout})  # fmt: skip
     sampler = start_sampler(settings, policy, run.tokenizer, run.out_dir / "rollout", max_model_len,
                             cfg.sync_max_gap, lora_rank, base_state)  # fmt: skip
     run.at_end(sampler.close)
+    if settings.url is None:
+        seconds = round(time.monotonic() - started, 1)
+        run.callbacks.on_event("info", f"vLLM answered after {seconds:g} s", {"seconds": seconds})
     return sampler
 
 

@@ -641,12 +641,14 @@ def check_allowed(
     allowed_functions: Sequence[str] | None,
     judges: Collection[str] | None = None,
     source_graders: bool = True,
+    own_urls: Sequence[str] = (),
 ) -> list[str]:
     """What the operator's allow-lists refuse in ``grader`` (empty: nothing). An ``allowed_urls`` entry is a URL
     prefix (scheme, host and port equal, the path within the entry's) or ``loopback``; ``allowed_functions`` None
     allows any function (the local CLI), which fails only when scored if it cannot be imported. ``judges``: the
     judge names model graders may use (None: any, checked when scored); ``source_graders``: whether python graders
-    may give ``source``."""
+    may give ``source``. ``own_urls``: the service's own servers (the operator's vLLM server), never a reward
+    service whatever the allow-list says: a URL on one's host and port is refused, before anything connects."""
     problems = []
     for name, sub in iter_graders(grader):
         if isinstance(sub, ScoreModelGrader | LabelModelGrader) and judges is not None and sub.model not in judges:
@@ -657,6 +659,9 @@ def check_allowed(
         if isinstance(sub, HttpGrader) and not any(_url_allowed(sub.url, entry) for entry in allowed_urls):
             allowed = ", ".join(allowed_urls) or "none"
             problems.append(f"grader {name!r}: the reward service {_public_url(sub.url)} is not allowed ({allowed})")
+        elif isinstance(sub, HttpGrader) and any(_same_server(sub.url, own) for own in own_urls):
+            problems.append(f"grader {name!r}: the reward service {_public_url(sub.url)} is not allowed (it is one "
+                            "of this service's own servers)")  # fmt: skip
         if (
             isinstance(sub, PythonGrader)
             and sub.function is not None
@@ -684,6 +689,28 @@ def _url_allowed(url: str, entry: str) -> bool:
     if prefix.path.endswith("/"):
         return target.path.startswith(prefix.path)
     return target.path == prefix.path or target.path.startswith(prefix.path + "/")
+
+
+def _same_server(url: str, own: str) -> bool:
+    """Whether ``url`` reaches the server at ``own``: the same port, and the same host or both this machine's
+    (``localhost``, a loopback address, or the unspecified address, which connects here)."""
+    try:
+        target, server = httpx.URL(url), httpx.URL(own)
+    except httpx.InvalidURL:
+        return False
+    if _port(target) != _port(server):
+        return False
+    return target.host == server.host or (_is_this_machine(target.host) and _is_this_machine(server.host))
+
+
+def _is_this_machine(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_unspecified
 
 
 def _is_loopback_ip(host: str) -> bool:

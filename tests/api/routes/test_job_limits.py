@@ -38,6 +38,24 @@ def test_more_processes_than_the_workers_have_are_refused(client: TestClient, ca
     assert (error["code"], error["param"]) == ("too_many_processes", "resources.num_processes"), error
 
 
+def test_a_vllm_job_is_refused_where_no_vllm_is_offered(settings: Settings, project: Project, calls: Calls) -> None:
+    """``rollout_engine: vllm`` where the server's settings name neither ``RLHF_VLLM_PYTHON`` nor ``RLHF_VLLM_URL``:
+    a 422 at submit (the settings are the workers' too), not a job that fails at its start."""
+    spec = {**PPO_SPEC, "hyperparameters": {"rollout_engine": "vllm"}}
+    assert settings.vllm() is None
+    with TestClient(create_app(settings, enqueue=calls.enqueue, recovery_interval=None), headers=project.headers) as c:
+        response = c.post("/v1/jobs", json=spec)
+        assert response.status_code == 422, response.text
+        error = error_of(response)
+        assert (error["code"], error["param"]) == ("rollout_engine_unavailable", "hyperparameters.rollout_engine")
+        assert "RLHF_VLLM_PYTHON" in error["message"] and "RLHF_VLLM_URL" in error["message"]
+        assert c.post("/v1/jobs", json=PPO_SPEC).status_code == 201  # the built-in sampler needs nothing
+    assert len(calls.enqueued) == 1
+    offered = settings.model_copy(update={"vllm_python": "/opt/vllm/bin/python"})
+    with TestClient(create_app(offered, enqueue=calls.enqueue, recovery_interval=None), headers=project.headers) as c:
+        assert c.post("/v1/jobs", json=spec).status_code == 201
+
+
 @contextmanager
 def counted_statements(settings: Settings) -> Iterator[list[str]]:
     """The SQL statements run on the app's database meanwhile."""

@@ -176,3 +176,21 @@ def test_a_template_naming_a_column_the_dataset_lacks_is_refused_at_submit(clien
     ]:
         response = submit(client, **fields)
         assert response.status_code == 201, response.text
+
+
+def test_the_vllm_servers_port_is_never_a_reward_service(settings: Settings, project: Project, calls: Calls) -> None:
+    """The operator's vLLM server (``RLHF_VLLM_URL``) on the loopback that ``RLHF_REWARD_URLS=loopback`` allows:
+    an http grader naming its port, by any name of this machine, is refused at submit and by ``graders/run``,
+    before anything connects (whether the port is open or not, the answer is the same); other ports stay allowed.
+    (A job's own vLLM server has no port: tests/engine/test_vllm.py.)"""
+    operator = settings.model_copy(update={"reward_urls": ["loopback"], "vllm_url": "http://127.0.0.1:8001"})
+    app = create_app(operator, enqueue=calls.enqueue, recovery_interval=None)
+    with TestClient(app, headers=project.headers) as client:
+        for url in ("http://127.0.0.1:8001/reset_prefix_cache", "http://localhost:8001/v1/completions",
+                    "http://[::1]:8001/collective_rpc", "http://127.0.0.2:8001/sleep"):  # fmt: skip
+            assert_refused(submit(client, reward=http(url)), "reward_not_allowed", "reward", "own servers")
+            response = client.post("/v1/fine_tuning/alpha/graders/run",
+                                   json={"grader": http(url), "model_sample": "x", "item": {}})  # fmt: skip
+            assert response.status_code == 400, response.text
+            assert error_of(response)["code"] == "reward_not_allowed"
+        assert submit(client, reward=http("http://127.0.0.1:8002/score")).status_code == 201
