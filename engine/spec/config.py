@@ -1257,12 +1257,55 @@ def kl_in_the_reward(advantage_estimator: str, kl_in_reward: bool | None) -> boo
 
 def upgraded_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """A job spec as an earlier version stored it (every default filled in), in this version's terms, and a
-    sentence for each change of what it trains. A stored spec is upgraded rather than refused, so that a queued or
-    paused job still runs and a local run's folder still resumes: migration 0006 upgrades the server's jobs,
-    :func:`engine.core.checkpoint.stored_spec` a folder's ``spec.json``.
+    sentence for each change of what it trains or of how it is written. A stored spec is upgraded rather than
+    refused or retrained another way, so that a queued or paused job still runs as it ran and a local run's folder
+    still resumes: migrations 0006 and 0008 upgrade the server's jobs, :func:`engine.core.checkpoint.stored_spec` a
+    folder's ``spec.json``. Each step: :func:`upgraded_kl_estimator`, :func:`upgraded_loss_defaults`."""
+    changes: list[str] = []
+    for upgrade in (upgraded_kl_estimator, upgraded_loss_defaults):
+        spec, more = upgrade(spec)
+        changes += more
+    return spec, changes
 
-    The values this version refuses in a stored spec: ``kl_estimator`` k2 or k3 where the KL is in the reward, a
-    GRPO job's (k3 was the default, so every ``reinforce_pp`` job stored it) and a PPO job's: k1 instead."""
+
+EARLIER_CLIPRANGE = 0.2
+"""The clip range of every policy loss up to migration 0007, before each loss had its own."""
+
+
+def upgraded_loss_defaults(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A ``ppo``, ``grpo`` or ``distill`` spec of ``policy_loss`` ``cispo`` or ``gspo`` stored before each loss had
+    its own defaults, with what it trained with written in where it left the setting to the default: a clip range
+    left out (``cliprange``; ``cliprange_low``, ``cliprange_high``) is 0.2, and ``gspo``'s ``loss_aggregation`` left
+    out or null (GRPO's "the estimator's") is ``token_mean``, ``constant`` for ``dr_grpo``. This version would
+    train them with the loss's own (cispo: no lower bound, capped at 4; gspo: 3e-4 / 4e-4 and ``sequence_mean``).
+
+    This version stores no such spec: it keeps a null clip range (the loss's own) and fills ``loss_aggregation`` in
+    when it validates a spec, so that a null or missing one is an earlier version's."""
+    hyperparameters = spec.get("hyperparameters")
+    job_type, written = spec.get("type"), {}
+    if job_type not in ("ppo", "grpo", "distill") or not isinstance(hyperparameters, dict):
+        return spec, []
+    policy_loss = hyperparameters.get("policy_loss")
+    if policy_loss not in ("cispo", "gspo"):
+        return spec, []
+    for name in ("cliprange",) if job_type == "ppo" else ("cliprange_low", "cliprange_high"):
+        if name not in hyperparameters:
+            written[name] = EARLIER_CLIPRANGE
+    if policy_loss == "gspo" and hyperparameters.get("loss_aggregation") is None:
+        dr_grpo = job_type == "grpo" and hyperparameters.get("advantage_estimator") == "dr_grpo"
+        written["loss_aggregation"] = "constant" if dr_grpo else "token_mean"
+    changes = [
+        f"hyperparameters.{name} {value}, as the job trained until now, written in ({policy_loss} now defaults to its "
+        "own)"
+        for name, value in written.items()
+    ]
+    return ({**spec, "hyperparameters": {**hyperparameters, **written}}, changes) if written else (spec, [])
+
+
+def upgraded_kl_estimator(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The values this version refuses in a stored spec: ``kl_estimator`` k2 or k3 where the KL is in the reward, a
+    GRPO job's (k3 was the default, so every ``reinforce_pp`` job stored it) and a PPO job's: k1 instead (migration
+    0006)."""
     hyperparameters = spec.get("hyperparameters")
     if not isinstance(hyperparameters, dict) or hyperparameters.get("kl_estimator") not in ("k2", "k3"):
         return spec, []

@@ -351,6 +351,43 @@ def test_a_spec_this_version_accepts_is_not_upgraded(spec: dict[str, Any]) -> No
     JobSpec.model_validate(spec)
 
 
+@pytest.mark.parametrize("job_type", ["grpo", "ppo", "distill"])
+@pytest.mark.parametrize("policy_loss", list(POLICY_LOSSES))
+def test_a_spec_this_version_stores_keeps_its_loss_s_own_defaults(job_type: str, policy_loss: str) -> None:
+    """What this version stores (null ranges, the aggregation filled in) is not taken for an earlier version's."""
+    spec = _loss_spec(job_type, policy_loss=policy_loss)
+    stored = JobSpec.model_validate(spec).model_dump(mode="json")
+    assert upgraded_spec(stored) == (stored, [])
+
+
+@pytest.mark.parametrize("job_type", ["grpo", "ppo", "distill"])
+@pytest.mark.parametrize("policy_loss", ["cispo", "gspo"])
+def test_an_earlier_cispo_or_gspo_spec_keeps_training_as_it_trained(job_type: str, policy_loss: str) -> None:
+    """Stored before each loss had its own defaults, leaving the range (and GRPO's aggregation) to them: the values
+    it trained with are written in (clip ranges 0.2, the token mean), each named."""
+    spec = _loss_spec(job_type, policy_loss=policy_loss, **({"loss_aggregation": None} if job_type == "grpo" else {}))
+    new, changes = upgraded_spec(spec)
+    config = JobSpec.model_validate(new).config
+    assert config.loss_settings == LossSettings(clip_low=0.2, clip_high=0.2)  # type: ignore[attr-defined]
+    assert config.aggregation == "token_mean"  # type: ignore[attr-defined]
+    ranges = 1 if job_type == "ppo" else 2
+    assert len(changes) == ranges + (policy_loss == "gspo"), changes
+    assert all(c.startswith("hyperparameters.") and "as the job trained until now" in c for c in changes)
+    dr_grpo = _loss_spec("grpo", policy_loss="gspo", advantage_estimator="dr_grpo", cliprange_low=0.1)
+    new, changes = upgraded_spec(dr_grpo)
+    assert new["hyperparameters"]["cliprange_low"] == 0.1  # set: kept
+    assert JobSpec.model_validate(new).config.aggregation == "constant"  # type: ignore[attr-defined]
+
+
+def _loss_spec(job_type: str, **hyperparameters: Any) -> dict[str, Any]:
+    references = {
+        "grpo": {"dataset": "builtin:digits-prompts", "reward": digits.GRADER},
+        "ppo": {"dataset": "builtin:reviews-prompts", "reward_model": "builtin:tiny"},
+        "distill": {"dataset": "builtin:digits-prompts", "teacher": "builtin:tiny"},
+    }
+    return {"type": job_type, "model": "builtin:tiny", **references[job_type], "hyperparameters": hyperparameters}
+
+
 # --- filled-in defaults and the typed config --------------------------------------------------
 
 
