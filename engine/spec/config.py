@@ -1282,7 +1282,8 @@ def upgraded_loss_defaults(spec: dict[str, Any]) -> tuple[dict[str, Any], list[s
     This version stores no such spec: it keeps a null clip range (the loss's own) and fills ``loss_aggregation`` in
     when it validates a spec, so that a null or missing one is an earlier version's."""
     hyperparameters = spec.get("hyperparameters")
-    job_type, written = spec.get("type"), {}
+    job_type = spec.get("type")
+    written: dict[str, float | str] = {}
     if job_type not in ("ppo", "grpo", "distill") or not isinstance(hyperparameters, dict):
         return spec, []
     policy_loss = hyperparameters.get("policy_loss")
