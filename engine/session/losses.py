@@ -8,8 +8,7 @@ necessarily the shifted input). Every loss is a SUM over tokens and datums, neve
 policy losses are the registry's (engine/spec/policy_losses.py) under Tinker's names, each datum a batch of one
 row, the sampler's ``logprobs`` the old log-probs; ``dro`` is Tinker's, here beside its formula. The clip
 thresholds are Tinker's ratios (the registry's settings are the distances from 1), from ``loss_fn_config`` or
-per-datum inputs of the same names, and default to Tinker's documented values for each loss
-(:data:`PPO_THRESHOLDS`, :data:`CISPO_THRESHOLDS`).
+per-datum inputs of the same names, and default to Tinker's documented values for each loss (:data:`THRESHOLDS`).
 """
 
 import dataclasses
@@ -24,7 +23,7 @@ from transformers import PreTrainedModel
 from engine.core.models import context_length, lm_logits
 from engine.core.ops import logprobs_from_logits
 from engine.session.errors import UserError, datum_error
-from engine.spec.policy_losses import POLICY_LOSSES, LossBatch, LossSettings, PolicyLoss
+from engine.spec.policy_losses import LOSS_DEFAULTS, POLICY_LOSSES, LossBatch, LossSettings, PolicyLoss
 
 
 class HasTokens(Protocol):
@@ -67,14 +66,9 @@ class Loss:
 
 THRESHOLDS = ("clip_low_threshold", "clip_high_threshold")
 """The clip range of the ratio π/π_sampler: given in ``loss_fn_config`` or as per-datum inputs (one value per
-datum: the datum's wins over the config)."""
-PPO_THRESHOLDS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
-"""Tinker's documented ε = 0.2 of ``ppo`` (its losses page: "currently fixed to 0.2 in Tinker"), the default of
-every clipped loss but ``cispo``; of ``gspo`` too, for which Tinker's docs give no range of their own (a job's
-``gspo`` defaults to the paper's 3e-4 / 4e-4 instead, engine/spec/policy_losses.py)."""
-CISPO_THRESHOLDS = {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
-"""Tinker's documented default of ``cispo`` (its losses page, "Choosing clipping thresholds"): a one-sided clip,
-no lower bound and the weight capped at 4; MiniMax-M1 (arXiv:2506.13585) bounds it above only too."""
+datum: the datum's wins over the config); where neither gives it, the loss's Tinker default, registered beside it
+(engine/spec/policy_losses.py ``LossDefaults.thresholds``: 0.8 / 1.2, cispo's 0.0 / 4.0, as Tinker documents
+them)."""
 DRO_BETA = 0.05
 """``dro``'s ``beta`` where a request leaves it out: the value of Tinker's docs' example (they name no default)."""
 RATIO_MASK = "sequence_ratio_mask"
@@ -149,7 +143,7 @@ LOSSES: dict[str, Loss] = {
             policy_loss(POLICY_LOSSES[registered]),
             required=RL_INPUTS,
             optional=(*THRESHOLDS, RATIO_MASK),
-            defaults=CISPO_THRESHOLDS if registered == "cispo" else PPO_THRESHOLDS,
+            defaults=dict(zip(THRESHOLDS, LOSS_DEFAULTS[registered].thresholds, strict=True)),
         )
         for name, registered in POLICY_NAMES.items()
     },
@@ -160,7 +154,7 @@ loss on the client: a forward, then a weighted ``cross_entropy``), nor ``stable_
 UNSUPPORTED = {
     "stable_reinforce": (
         "Tinker's StableReinforce objective is unpublished (its docs call it alpha, computed from what Tinker's "
-        "sampler records with record_stability_info); train with ppo, cispo or importance_sampling instead (in "
+        "sampler records with record_stability_info); train with ppo or another loss listed here instead (in "
         "tinker_cookbook: loss_fn=ppo, for async runs AsyncConfig.loss_fn)"
     ),
 }

@@ -1273,11 +1273,11 @@ EARLIER_CLIPRANGE = 0.2
 
 
 def upgraded_loss_defaults(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """A ``ppo``, ``grpo`` or ``distill`` spec of ``policy_loss`` ``cispo`` or ``gspo`` stored before each loss had
-    its own defaults, with what it trained with written in where it left the setting to the default: a clip range
-    left out (``cliprange``; ``cliprange_low``, ``cliprange_high``) is 0.2, and ``gspo``'s ``loss_aggregation`` left
-    out or null (GRPO's "the estimator's") is ``token_mean``, ``constant`` for ``dr_grpo``. This version would
-    train them with the loss's own (cispo: no lower bound, capped at 4; gspo: 3e-4 / 4e-4 and ``sequence_mean``).
+    """A ``ppo``, ``grpo`` or ``distill`` spec stored before each loss had its own defaults, of a ``policy_loss``
+    whose own differ from the earlier ones (``LossDefaults.earlier_differs``: cispo, no lower bound and capped at
+    4; gspo, 3e-4 / 4e-4 and ``sequence_mean``), with what it trained with written in where it left the setting to
+    the default: a clip range left out (``cliprange``; ``cliprange_low``, ``cliprange_high``) is 0.2, and a
+    loss_aggregation left out or null (GRPO's "the estimator's") is ``token_mean``, ``constant`` for ``dr_grpo``.
 
     This version stores no such spec: it keeps a null clip range (the loss's own) and fills ``loss_aggregation`` in
     when it validates a spec, so that a null or missing one is an earlier version's."""
@@ -1287,12 +1287,13 @@ def upgraded_loss_defaults(spec: dict[str, Any]) -> tuple[dict[str, Any], list[s
     if job_type not in ("ppo", "grpo", "distill") or not isinstance(hyperparameters, dict):
         return spec, []
     policy_loss = hyperparameters.get("policy_loss")
-    if policy_loss not in ("cispo", "gspo"):
+    defaults = LOSS_DEFAULTS.get(policy_loss) if isinstance(policy_loss, str) else None
+    if defaults is None or not defaults.earlier_differs:
         return spec, []
     for name in ("cliprange",) if job_type == "ppo" else ("cliprange_low", "cliprange_high"):
         if name not in hyperparameters:
             written[name] = EARLIER_CLIPRANGE
-    if policy_loss == "gspo" and hyperparameters.get("loss_aggregation") is None:
+    if defaults.aggregation is not None and hyperparameters.get("loss_aggregation") is None:
         dr_grpo = job_type == "grpo" and hyperparameters.get("advantage_estimator") == "dr_grpo"
         written["loss_aggregation"] = "constant" if dr_grpo else "token_mean"
     changes = [

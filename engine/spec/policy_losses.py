@@ -89,6 +89,17 @@ class LossDefaults:
     """``cliprange_high`` (PPO's ``cliprange`` above): the ratio clipped above at 1 + this."""
     aggregation: Aggregation | None = None
     """``loss_aggregation``; None: the method's own (``token_mean``, Dr. GRPO's ``constant``)."""
+    thresholds: tuple[float, float] = (0.8, 1.2)
+    """A Tinker session's ``clip_low_threshold`` / ``clip_high_threshold`` (the ratio's bounds themselves) where a
+    request leaves them out (engine/session/losses.py): Tinker's documented defaults, 0.8 / 1.2 (its losses page:
+    the ε of ``ppo`` "currently fixed to 0.2 in Tinker"), for ``gspo`` too, whose Tinker docs give none of their
+    own."""
+
+    @property
+    def earlier_differs(self) -> bool:
+        """Whether a job spec leaving the clip range or the aggregation out trains otherwise than up to migration
+        0007, when every loss clipped at 0.2 by the method's aggregation."""
+        return (self.clip_low, self.clip_high, self.aggregation) != (0.2, 0.2, None)
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
@@ -141,13 +152,14 @@ def importance_sampling(logprobs: torch.Tensor, batch: LossBatch, settings: Loss
     return PolicyLossOut(-batch.advantages * ratio, ratio.new_zeros(ratio.shape))
 
 
-@register("cispo", LossDefaults(clip_low=1.0, clip_high=3.0))
+@register("cispo", LossDefaults(clip_low=1.0, clip_high=3.0, thresholds=(0.0, 4.0)))
 def cispo(logprobs: torch.Tensor, batch: LossBatch, settings: LossSettings) -> PolicyLossOut:
     """CISPO (MiniMax-M1, arXiv:2506.13585): -sg(clip(π/π_old, 1 - clip_low, 1 + clip_high))·A·log π. The
     importance weight is clipped and detached, the gradient of log π flows on every token: none is dropped, as
     PPO's clip drops the tokens whose ratio left the range. By default the weight has no lower bound (clip_low 1)
     and is capped at 4 (clip_high 3): Tinker's documented default, clip(π/π_old, 0.0, 4.0) (its losses page,
-    "cispo"); MiniMax-M1 and TRL bound it above only too (verl's example: a lower bound so wide it never acts)."""
+    "cispo": "Choosing clipping thresholds"), a session's too; MiniMax-M1 and TRL bound it above only too (verl's
+    example: a lower bound so wide it never acts)."""
     ratio = batch.ratio(logprobs)  # (n, T)
     weight = ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high).detach()
     clipped = ((ratio < 1.0 - settings.clip_low) | (ratio > 1.0 + settings.clip_high)).float()
