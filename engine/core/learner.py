@@ -22,8 +22,8 @@ from engine.core.loop import Run, Start, check_finite, clip_and_step
 from engine.core.models import folded_adapters, rounds_when_folded, token_logprobs
 from engine.core.ops import aggregate, kl_per_token
 from engine.core.vllm import VllmSampler
-from engine.spec.config import Aggregation, TrainConfig
-from engine.spec.policy_losses import POLICY_LOSSES, LossBatch, LossSettings, rollout_correction
+from engine.spec.config import TrainConfig
+from engine.spec.policy_losses import POLICY_LOSSES, Aggregation, LossBatch, LossSettings, rollout_correction
 
 Reference = PreTrainedModel | Literal["base"] | None
 """A policy's reference: a frozen model, ``"base"`` (a LoRA policy with its adapters disabled), or none."""

@@ -114,11 +114,18 @@ def make_scheduler(
 def clip_and_step(
     params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, max_grad_norm: float | None
 ) -> float:
-    """Clip the global gradient norm, step the optimizer, clear gradients; returns the norm before clipping."""
+    """Clip the global gradient norm, step the optimizer, clear gradients; returns the norm before clipping. A NaN
+    or infinite norm (a finite loss can still have a NaN gradient) steps nothing: the gradients are cleared and
+    :class:`NonFiniteLossError` raised, as for a non-finite loss, so that the weights and optimizer state stay as
+    they were."""
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else math.inf)
+    norm = grad_norm.item()
+    if not math.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLossError(f"grad_norm is {norm}: the update was refused, the weights are unchanged")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm.item()
+    return norm
 
 
 def check_finite(name: str, value: float, step: int) -> None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from engine.spec.config import Aggregation
+from engine.spec.policy_losses import Aggregation
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

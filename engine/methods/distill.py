@@ -93,7 +93,7 @@ def train_distill(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: to
     scorer, eval_scorer = (
         no_reward if r is None else grader_scorer(r, tokenizer, stop_token_ids) for r in (reward, eval_reward)
     )
-    objective = Objective(cfg.policy_loss, cfg.loss_settings, "token_mean")
+    objective = Objective(cfg.policy_loss, cfg.loss_settings, cfg.aggregation, max_tokens=cfg.response_length)
 
     start, rng = RolloutRNG.start(learner, run, cfg, spec.seed, device)
     if start.finished:

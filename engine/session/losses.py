@@ -6,11 +6,12 @@ necessarily the shifted input). Every loss is a SUM over tokens and datums, neve
 
 ``cross_entropy`` is Σ -logp(target)·weight (the SDK's ``forward_backward_custom`` relies on that form, §4); the
 policy losses are the registry's (engine/spec/policy_losses.py) under Tinker's names, each datum a batch of one
-row, the sampler's ``logprobs`` the old log-probs. The clip thresholds are Tinker's ratios (0.8 / 1.2 by
-default, Tinker's documented PPO defaults, for every clipped loss; the registry's settings are the distances
-from 1), from ``loss_fn_config`` or per-datum inputs of the same names.
+row, the sampler's ``logprobs`` the old log-probs; ``dro`` is Tinker's, here beside its formula. The clip
+thresholds are Tinker's ratios (the registry's settings are the distances from 1), from ``loss_fn_config`` or
+per-datum inputs of the same names, and default to Tinker's documented values for each loss (:data:`THRESHOLDS`).
 """
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from transformers import PreTrainedModel
 from engine.core.models import context_length, lm_logits
 from engine.core.ops import logprobs_from_logits
 from engine.session.errors import UserError, datum_error
-from engine.spec.policy_losses import POLICY_LOSSES, LossBatch, LossSettings, PolicyLoss
+from engine.spec.policy_losses import LOSS_DEFAULTS, POLICY_LOSSES, LossBatch, LossSettings, PolicyLoss
 
 
 class HasTokens(Protocol):
@@ -49,20 +50,27 @@ class Loss:
     compute: LossFn
     required: tuple[str, ...]
     optional: tuple[str, ...] = ()
-    settings: tuple[str, ...] = ()
-    """The ``loss_fn_config`` keys it reads."""
+    defaults: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """The ``loss_fn_config`` keys it reads, each with its value where a request leaves it out."""
+
+    @property
+    def settings(self) -> tuple[str, ...]:
+        """The ``loss_fn_config`` keys it reads."""
+        return tuple(self.defaults)
 
     def __call__(
         self, logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Config
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return self.compute(logprobs, inputs, config)
+        return self.compute(logprobs, inputs, {**self.defaults, **config})
 
 
-THRESHOLDS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
-"""The clip range of the ratio π/π_sampler and its defaults: Tinker's documented ε = 0.2 of ``ppo``, for
-``cispo`` and ``gspo`` too (the GSPO paper's 3e-4 / 4e-4 would be a default of its own beside its formula in
-engine/spec/policy_losses.py, the one module that names a loss in code; a client passes them in the config).
-Given in ``loss_fn_config`` or as per-datum inputs (one value per datum: the datum's wins over the config)."""
+THRESHOLDS = ("clip_low_threshold", "clip_high_threshold")
+"""The clip range of the ratio π/π_sampler: given in ``loss_fn_config`` or as per-datum inputs (one value per
+datum: the datum's wins over the config); where neither gives it, the loss's Tinker default, registered beside it
+(engine/spec/policy_losses.py ``LossDefaults.thresholds``: 0.8 / 1.2, cispo's 0.0 / 4.0, as Tinker documents
+them)."""
+DRO_BETA = 0.05
+"""``dro``'s ``beta`` where a request leaves it out: the value of Tinker's docs' example (they name no default)."""
 RATIO_MASK = "sequence_ratio_mask"
 """Tinker's name of the tokens a sequence's ratio is taken over (the registry's ``LossBatch.mask``, read by the
 sequence-level loss alone). Default: the tokens of nonzero advantage, the response (Tinker's RL datums give the
@@ -84,12 +92,24 @@ def cross_entropy(
     return -logprobs * weights.to(logprobs.dtype), {}
 
 
+def dro(
+    logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Config
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DRO (Richemond et al., arXiv:2405.19107; Kimi k1.5, arXiv:2501.12599), as Tinker's losses page writes it:
+    -(log π·A - ½β·(log π - log π_sampler)²) per token (N,), the quadratic penalty keeping an off-policy (even
+    offline) update near the sampler; the advantages are the client's (DRO's soft ones). No ratio is taken."""
+    advantages = inputs["advantages"].to(logprobs.dtype)  # (N,)
+    sampler = inputs["logprobs"].to(logprobs.dtype)  # (N,)
+    beta = float(config["beta"])
+    return -(logprobs * advantages - 0.5 * beta * (logprobs - sampler) ** 2), {}
+
+
 def threshold(name: str, inputs: Mapping[str, torch.Tensor], config: Config) -> float:
     """A clip threshold of a datum: its input's value (all equal, checked by :func:`check_datums`), else the
-    config's (checked by :func:`check_config`), else :data:`THRESHOLDS`'."""
+    config's (checked by :func:`check_config`; the loss's default where the request gave none)."""
     if name in inputs:
         return float(inputs[name].reshape(-1)[0])
-    return float(config.get(name, THRESHOLDS[name]))
+    return float(config[name])
 
 
 def policy_loss(loss: PolicyLoss) -> LossFn:
@@ -114,37 +134,52 @@ def policy_loss(loss: PolicyLoss) -> LossFn:
     return compute
 
 
+RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+"""The inputs of every RL loss: the targets, the sampler's log-probs and the advantages."""
 LOSSES: dict[str, Loss] = {
     "cross_entropy": Loss(cross_entropy, required=("target_tokens",), optional=("weights",)),
     **{
         name: Loss(
             policy_loss(POLICY_LOSSES[registered]),
-            required=("target_tokens", "logprobs", "advantages"),
+            required=RL_INPUTS,
             optional=(*THRESHOLDS, RATIO_MASK),
-            settings=tuple(THRESHOLDS),
+            defaults=dict(zip(THRESHOLDS, LOSS_DEFAULTS[registered].thresholds, strict=True)),
         )
         for name, registered in POLICY_NAMES.items()
     },
+    "dro": Loss(dro, required=RL_INPUTS, defaults={"beta": DRO_BETA}),
 }
 """The losses the server accepts, by Tinker's names and the registry's. Not ``custom`` (the SDK runs a custom
-loss on the client: a forward, then a weighted ``cross_entropy``), nor ``dro`` and ``stable_reinforce``."""
+loss on the client: a forward, then a weighted ``cross_entropy``), nor ``stable_reinforce`` (:data:`UNSUPPORTED`)."""
+UNSUPPORTED = {
+    "stable_reinforce": (
+        "Tinker's StableReinforce objective is unpublished (its docs call it alpha, computed from what Tinker's "
+        "sampler records with record_stability_info); train with ppo or another loss listed here instead (in "
+        "tinker_cookbook: loss_fn=ppo, for async runs AsyncConfig.loss_fn)"
+    ),
+}
+"""Loss names of Tinker's SDK this server refuses, with why and what to use instead."""
 
 
 def find_loss(loss_fn: str) -> Loss:
     """The loss named ``loss_fn``, or a :class:`UserError` listing the supported ones."""
     if loss_fn not in LOSSES:
-        raise UserError(f"loss_fn {loss_fn!r} is not supported; supported: {', '.join(sorted(LOSSES))}")
+        reason = f" ({UNSUPPORTED[loss_fn]})" if loss_fn in UNSUPPORTED else ""
+        raise UserError(f"loss_fn {loss_fn!r} is not supported{reason}; supported: {', '.join(sorted(LOSSES))}")
     return LOSSES[loss_fn]
 
 
 def _threshold_problem(name: str, value: float) -> str | None:
-    """Why a clip threshold is out of its range, if it is: the ratio's lower bound in [0, 1], its upper one ≥ 1."""
+    """Why a setting is out of its range, if it is: a clip threshold's lower bound of the ratio in [0, 1], its upper
+    one ≥ 1; ``dro``'s ``beta`` ≥ 0."""
     if not math.isfinite(value):
         return f"{value:.6g} is not a finite number"
     if name == "clip_low_threshold" and not 0.0 <= value <= 1.0:
         return f"{value:.6g} is not a ratio's lower clip bound (in [0, 1], e.g. 0.8)"
     if name == "clip_high_threshold" and not value >= 1.0:
         return f"{value:.6g} is not a ratio's upper clip bound (1 or more, e.g. 1.2)"
+    if name == "beta" and not value >= 0.0:
+        return f"{value:.6g} is not a penalty's weight (0 or more, e.g. 0.05)"
     return None
 
 

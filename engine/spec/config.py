@@ -25,14 +25,12 @@ from pydantic.fields import FieldInfo
 
 from engine.builtin import DATASETS, TINY_MODEL, digits
 from engine.rewards.graders import Grader, ModelGrader
-from engine.spec.policy_losses import DUAL_CLIP_LOSSES, POLICY_LOSSES, LossSettings
+from engine.spec.policy_losses import DUAL_CLIP_LOSSES, LOSS_DEFAULTS, POLICY_LOSSES, Aggregation, LossSettings
 from engine.spec.rows import DatasetKind, dataset_kind
 
 Scheduler = Literal["constant", "linear", "cosine"]
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 """GRPOConfig's advantage estimators (engine/methods/grpo.py)."""
-Aggregation = Literal["token_mean", "sequence_mean", "constant"]
-"""GRPOConfig's loss aggregations (engine/methods/grpo.py)."""
 WHITENED: tuple[Estimator, ...] = ("reinforce_pp", "reinforce_pp_baseline")
 """The estimators whose advantages are whitened over the batch's tokens."""
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -83,6 +81,25 @@ of each token's policy loss (engine/spec/policy_losses.py ``rollout_correction``
 def _check_dual_clip(policy_loss: str, dual_clip: float | None) -> None:
     if dual_clip is not None and policy_loss not in DUAL_CLIP_LOSSES:
         raise ValueError(f"dual_clip applies to policy_loss {' and '.join(DUAL_CLIP_LOSSES)} only, not {policy_loss}")
+
+
+def _loss_settings(
+    policy_loss: str, low: float | None, high: float | None, dual_clip: float | None, correction: float | None
+) -> LossSettings:
+    """The settings of ``policy_loss``: each clip range given, else the loss's own
+    (:data:`engine.spec.policy_losses.LOSS_DEFAULTS`)."""
+    defaults = LOSS_DEFAULTS[policy_loss]
+    return LossSettings(
+        clip_low=defaults.clip_low if low is None else low,
+        clip_high=defaults.clip_high if high is None else high,
+        dual_clip=dual_clip,
+        rollout_correction=correction,
+    )
+
+
+def _aggregation(policy_loss: str, given: Aggregation | None, method_default: Aggregation) -> Aggregation:
+    """``loss_aggregation`` as given, else the loss's own, else the method's."""
+    return given or LOSS_DEFAULTS[policy_loss].aggregation or method_default
 
 
 LORA_MAX_MODULES = 64
@@ -393,17 +410,24 @@ class PPOConfig(SamplingConfig):
     """GAE λ."""
     whiten_advantages: bool = True
     """Whiten advantages over the valid tokens of the rollout batch."""
-    cliprange: Annotated[float, Field(gt=0, le=10)] = 0.2
-    """Policy ratio clip ε."""
+    cliprange: Annotated[float, Field(gt=0, le=10)] | None = None
+    """Policy ratio clip ε: the ratio kept in 1 ± ``cliprange`` (a number sets both sides alike). None: the range of
+    ``policy_loss`` itself (engine/spec/policy_losses.py ``LOSS_DEFAULTS``): 1 ± 0.2 for ``ppo_clip``; ``cispo``'s
+    weight unbounded below and capped at 4 (Tinker's default, clip(π/π_old, 0, 4)); ``gspo``'s sequence ratio in
+    [1 - 3e-4, 1 + 4e-4] (the paper's). Stored as None, since no one number is those asymmetric ranges."""
     policy_loss: PolicyLossName = "ppo_clip"
     """The policy's loss on each token (engine/spec/policy_losses.py): ``ppo_clip``, PPO's clipped surrogate, the
     ratio π/π_old kept in 1 ± ``cliprange``; ``importance_sampling``, REINFORCE weighted by the unclipped ratio
-    (Tinker's); ``cispo``, the ratio clipped to 1 ± ``cliprange`` as a detached weight of every token's log-prob
-    gradient, so no token's gradient is dropped (MiniMax-M1, arXiv:2506.13585); ``gspo``, one ratio per response,
-    the geometric mean of its tokens' (Qwen, arXiv:2507.18071), clipped: for long responses and mixture-of-experts
-    models, whose token ratios are noisy; it wants a far smaller ``cliprange``, the more so the less a step moves
-    the model (the paper's 3e-4 / 4e-4 for its large ones; GRPO on the built-in digits task learns at 0.03 /
-    0.04)."""
+    (Tinker's); ``cispo``, the ratio clipped as a detached weight of every token's log-prob gradient, so no token's
+    gradient is dropped (MiniMax-M1, arXiv:2506.13585); ``gspo``, one ratio per response, the geometric mean of its
+    tokens' (Qwen, arXiv:2507.18071), clipped: for long responses and mixture-of-experts models, whose token ratios
+    are noisy; it wants a far smaller range, the more so the less a step moves the model (the paper's 3e-4 / 4e-4,
+    its default, for its large ones; GRPO on the built-in digits task learns at 0.03 / 0.04)."""
+    loss_aggregation: Aggregation | None = None
+    """How the policy loss's per-token values become the minibatch's loss: ``token_mean`` (every token alike),
+    ``sequence_mean`` (each response's mean, then the mean over responses), ``constant`` (the sum over (responses ×
+    ``response_length``)). None: ``policy_loss``'s own (``sequence_mean`` for ``gspo``, the GSPO paper's), else
+    ``token_mean``; filled in when the spec is validated, so a stored spec shows what it trains with."""
     rollout_correction: RolloutCorrection | None = None
     """Truncated importance sampling of the sampler's mismatch (Yao et al. 2025; verl's ``tis_imp_ratio_cap``):
     the rollout also takes the trainer's log-probs of the sampled tokens (one more forward, the policy before the
@@ -444,9 +468,12 @@ class PPOConfig(SamplingConfig):
 
     @property
     def loss_settings(self) -> LossSettings:
-        """The settings of ``policy_loss``: the ratio clipped to 1 ± ``cliprange``."""
-        return LossSettings(clip_low=self.cliprange, clip_high=self.cliprange, dual_clip=self.dual_clip,
-                            rollout_correction=self.rollout_correction)  # fmt: skip
+        """The settings of ``policy_loss``: the ratio clipped to 1 ± ``cliprange``, else to the loss's range."""
+        return _loss_settings(self.policy_loss, self.cliprange, self.cliprange, self.dual_clip, self.rollout_correction)
+
+    @property
+    def aggregation(self) -> Aggregation:
+        return _aggregation(self.policy_loss, self.loss_aggregation, "token_mean")
 
     @property
     def micro_batch_size(self) -> int:
@@ -475,6 +502,7 @@ class PPOConfig(SamplingConfig):
         if self.ptx_dataset is not None:
             _check_dataset_ref(self.ptx_dataset, "sft")
         _check_dual_clip(self.policy_loss, self.dual_clip)
+        self.loss_aggregation = self.aggregation
         return self
 
     @model_validator(mode="before")
@@ -526,22 +554,25 @@ class GroupSamplingConfig(SamplingConfig):
     """Tokens sampled per response at most (sampling ends once every response stopped)."""
     temperature: Annotated[float, Field(gt=0, le=10)] = 1.0
     """Sampling temperature; the log-probs of training (and a distillation's teacher's) are taken at it."""
-    cliprange_low: Annotated[float, Field(gt=0, lt=1)] = 0.2
-    """The ratio is clipped below at 1 - cliprange_low."""
-    cliprange_high: Annotated[float, Field(gt=0, le=10)] = 0.2
+    cliprange_low: Annotated[float, Field(gt=0, le=1)] | None = None
+    """The ratio is clipped below at 1 - cliprange_low (1: not bounded below). None: ``policy_loss``'s own
+    (engine/spec/policy_losses.py ``LOSS_DEFAULTS``): 0.2; 1 for ``cispo`` (Tinker's, MiniMax-M1's and TRL's: no
+    lower bound); 3e-4 for ``gspo`` (the paper's)."""
+    cliprange_high: Annotated[float, Field(gt=0, le=10)] | None = None
     """The ratio is clipped above at 1 + cliprange_high; above ``cliprange_low`` it is DAPO's clip-higher
-    (arXiv:2503.14476, 0.28), which keeps rare tokens' probabilities free to grow."""
+    (arXiv:2503.14476, 0.28), which keeps rare tokens' probabilities free to grow. None: ``policy_loss``'s own: 0.2;
+    3 for ``cispo`` (its weight capped at 4, Tinker's default); 4e-4 for ``gspo`` (the paper's)."""
     policy_loss: PolicyLossName = "ppo_clip"
     """The policy's loss on each token (engine/spec/policy_losses.py): ``ppo_clip``, PPO's clipped surrogate, the
     ratio π/π_old kept in [1 - ``cliprange_low``, 1 + ``cliprange_high``]; ``importance_sampling``, REINFORCE
     weighted by the unclipped ratio (Tinker's); ``cispo``, the ratio clipped to that range as a detached weight of
     every token's log-prob gradient, so no token's gradient is dropped (MiniMax-M1, arXiv:2506.13585, which bounds
-    the weight above only: ``cliprange_low`` near 1); ``gspo``, one ratio per response, the geometric mean of its
-    tokens' (Qwen, arXiv:2507.18071), clipped: for long responses and mixture-of-experts models, whose token
-    ratios are noisy; with ``loss_aggregation: sequence_mean`` (the paper's) and far smaller clip ranges, the
-    more so the less a step moves the model: the paper's 3e-4 / 4e-4 suit its large models, while on the built-in
-    digits task (``builtin:tiny``, lr 5e-4) they clip half the tokens and learn slowly, while 0.03 / 0.04 clip
-    about a tenth and learn as ``ppo_clip`` does (benchmarks/policy_losses.py). With
+    the weight above only: by default ``cliprange_low`` 1); ``gspo``, one ratio per response, the geometric mean of
+    its tokens' (Qwen, arXiv:2507.18071), clipped: for long responses and mixture-of-experts models, whose token
+    ratios are noisy; by default with ``loss_aggregation: sequence_mean`` and the far smaller clip ranges of the
+    paper, 3e-4 / 4e-4, which suit its large models, while on the built-in digits task (``builtin:tiny``, lr 5e-4)
+    they clip half the tokens and learn slowly, while 0.03 / 0.04 clip about a tenth and learn as ``ppo_clip`` does
+    (benchmarks/policy_losses.py). With
     ``num_iterations`` 1 every ratio is 1 in a step's first minibatch, where the four give REINFORCE's gradient
     alike."""
     rollout_correction: RolloutCorrection | None = None
@@ -561,9 +592,10 @@ class GroupSamplingConfig(SamplingConfig):
 
     @property
     def loss_settings(self) -> LossSettings:
-        """The settings of ``policy_loss``: the ratio clipped to [1 - ``cliprange_low``, 1 + ``cliprange_high``]."""
-        return LossSettings(clip_low=self.cliprange_low, clip_high=self.cliprange_high, dual_clip=self.dual_clip,
-                            rollout_correction=self.rollout_correction)  # fmt: skip
+        """The settings of ``policy_loss``: the ratio clipped to [1 - ``cliprange_low``, 1 + ``cliprange_high``],
+        each the loss's own where None."""
+        return _loss_settings(self.policy_loss, self.cliprange_low, self.cliprange_high, self.dual_clip,
+                              self.rollout_correction)  # fmt: skip
 
     def _check_batches(self) -> None:
         """The batch sizes divide as the minibatches and micro-batches need; ``dual_clip`` suits ``policy_loss``."""
@@ -599,8 +631,9 @@ class GRPOConfig(GroupSamplingConfig):
     loss_aggregation: Aggregation | None = None
     """How per-token losses become the minibatch's loss: ``token_mean`` (every token alike), ``sequence_mean``
     (each response's mean, then the mean over responses: the GRPO paper's), ``constant`` (the sum over
-    (responses × response_length): Dr. GRPO's, no length bias). None: ``constant`` for ``dr_grpo``,
-    ``token_mean`` otherwise."""
+    (responses × response_length): Dr. GRPO's, no length bias). None: ``policy_loss``'s own (``sequence_mean`` for
+    ``gspo``, the GSPO paper's), else ``constant`` for ``dr_grpo`` and ``token_mean`` otherwise; filled in when the
+    spec is validated, so a stored spec shows what it trains with."""
     eval_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     """With an eval dataset: sample each of its prompts once every this many steps (and at the end) and report
     ``eval/reward`` and its components by ``eval_reward`` (default: the training reward)."""
@@ -626,9 +659,8 @@ class GRPOConfig(GroupSamplingConfig):
 
     @property
     def aggregation(self) -> Aggregation:
-        if self.loss_aggregation is not None:
-            return self.loss_aggregation
-        return "constant" if self.advantage_estimator == "dr_grpo" else "token_mean"
+        method_default: Aggregation = "constant" if self.advantage_estimator == "dr_grpo" else "token_mean"
+        return _aggregation(self.policy_loss, self.loss_aggregation, method_default)
 
     @model_validator(mode="after")
     def _divides(self) -> "GRPOConfig":
@@ -646,6 +678,7 @@ class GRPOConfig(GroupSamplingConfig):
             )
         if self.kl_estimator == ("k1" if self.kl_as_reward else "k3"):  # the default, stored one way: as None
             self.kl_estimator = None
+        self.loss_aggregation = self.aggregation
         return self
 
 
@@ -668,6 +701,15 @@ class DistillConfig(GroupSamplingConfig):
     log_samples_every: Annotated[int, Field(ge=1, le=10_000_000)] | None = 10
     """Keep a sample of the rollouts (prompt, response, reward components, summed reverse KL to the teacher,
     length) at step 1 and every this many steps (None: none kept)."""
+    loss_aggregation: Aggregation | None = None
+    """How per-token losses become the minibatch's loss: ``token_mean`` (every token alike), ``sequence_mean``
+    (each response's mean, then the mean over responses), ``constant`` (the sum over (responses ×
+    ``response_length``)). None: ``policy_loss``'s own (``sequence_mean`` for ``gspo``), else ``token_mean``; filled
+    in when the spec is validated, so a stored spec shows what it trains with."""
+
+    @property
+    def aggregation(self) -> Aggregation:
+        return _aggregation(self.policy_loss, self.loss_aggregation, "token_mean")
 
     @model_validator(mode="after")
     def _divides(self) -> "DistillConfig":
@@ -676,6 +718,7 @@ class DistillConfig(GroupSamplingConfig):
             raise ValueError(
                 "reward_coef mixes in each sample's advantage over its group: group_size must be at least 2"
             )
+        self.loss_aggregation = self.aggregation
         return self
 
 
@@ -1214,12 +1257,57 @@ def kl_in_the_reward(advantage_estimator: str, kl_in_reward: bool | None) -> boo
 
 def upgraded_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """A job spec as an earlier version stored it (every default filled in), in this version's terms, and a
-    sentence for each change of what it trains. A stored spec is upgraded rather than refused, so that a queued or
-    paused job still runs and a local run's folder still resumes: migration 0006 upgrades the server's jobs,
-    :func:`engine.core.checkpoint.stored_spec` a folder's ``spec.json``.
+    sentence for each change of what it trains or of how it is written. A stored spec is upgraded rather than
+    refused or retrained another way, so that a queued or paused job still runs as it ran and a local run's folder
+    still resumes: migrations 0006 and 0008 upgrade the server's jobs, :func:`engine.core.checkpoint.stored_spec` a
+    folder's ``spec.json``. Each step: :func:`upgraded_kl_estimator`, :func:`upgraded_loss_defaults`."""
+    changes: list[str] = []
+    for upgrade in (upgraded_kl_estimator, upgraded_loss_defaults):
+        spec, more = upgrade(spec)
+        changes += more
+    return spec, changes
 
-    The values this version refuses in a stored spec: ``kl_estimator`` k2 or k3 where the KL is in the reward, a
-    GRPO job's (k3 was the default, so every ``reinforce_pp`` job stored it) and a PPO job's: k1 instead."""
+
+EARLIER_CLIPRANGE = 0.2
+"""The clip range of every policy loss up to migration 0007, before each loss had its own."""
+
+
+def upgraded_loss_defaults(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A ``ppo``, ``grpo`` or ``distill`` spec stored before each loss had its own defaults, of a ``policy_loss``
+    whose own differ from the earlier ones (``LossDefaults.earlier_differs``: cispo, no lower bound and capped at
+    4; gspo, 3e-4 / 4e-4 and ``sequence_mean``), with what it trained with written in where it left the setting to
+    the default: a clip range left out (``cliprange``; ``cliprange_low``, ``cliprange_high``) is 0.2, and a
+    loss_aggregation left out or null (GRPO's "the estimator's") is ``token_mean``, ``constant`` for ``dr_grpo``.
+
+    This version stores no such spec: it keeps a null clip range (the loss's own) and fills ``loss_aggregation`` in
+    when it validates a spec, so that a null or missing one is an earlier version's."""
+    hyperparameters = spec.get("hyperparameters")
+    job_type = spec.get("type")
+    written: dict[str, float | str] = {}
+    if job_type not in ("ppo", "grpo", "distill") or not isinstance(hyperparameters, dict):
+        return spec, []
+    policy_loss = hyperparameters.get("policy_loss")
+    defaults = LOSS_DEFAULTS.get(policy_loss) if isinstance(policy_loss, str) else None
+    if defaults is None or not defaults.earlier_differs:
+        return spec, []
+    for name in ("cliprange",) if job_type == "ppo" else ("cliprange_low", "cliprange_high"):
+        if name not in hyperparameters:
+            written[name] = EARLIER_CLIPRANGE
+    if defaults.aggregation is not None and hyperparameters.get("loss_aggregation") is None:
+        dr_grpo = job_type == "grpo" and hyperparameters.get("advantage_estimator") == "dr_grpo"
+        written["loss_aggregation"] = "constant" if dr_grpo else "token_mean"
+    changes = [
+        f"hyperparameters.{name} {value}, as the job trained until now, written in ({policy_loss} now defaults to its "
+        "own)"
+        for name, value in written.items()
+    ]
+    return ({**spec, "hyperparameters": {**hyperparameters, **written}}, changes) if written else (spec, [])
+
+
+def upgraded_kl_estimator(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The values this version refuses in a stored spec: ``kl_estimator`` k2 or k3 where the KL is in the reward, a
+    GRPO job's (k3 was the default, so every ``reinforce_pp`` job stored it) and a PPO job's: k1 instead (migration
+    0006)."""
     hyperparameters = spec.get("hyperparameters")
     if not isinstance(hyperparameters, dict) or hyperparameters.get("kl_estimator") not in ("k2", "k3"):
         return spec, []

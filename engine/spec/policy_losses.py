@@ -16,10 +16,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+Aggregation = Literal["token_mean", "sequence_mean", "constant"]
+"""How a minibatch reduces per-token losses (engine/core/ops.py ``aggregate``)."""
+MAX_LOG_RATIO = 20.0
+"""log π/π_old is clamped to ±this before it is exponentiated, as verl clamps it
+(verl/trainer/ppo/core_algos.py ``compute_policy_loss_vanilla``: ``torch.clamp(negative_approx_kl, min=-20.0,
+max=20.0)``): e^20 ≈ 5e8 is past every clip range, while e^89 overflows float32 and its infinite ratio makes the
+gradient NaN (0·∞ on a clipped or masked token). Past the clamp a ratio's gradient is 0, as a clipped one's is."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +67,9 @@ class LossBatch:
     """1.0 on kept response tokens."""
 
     def ratio(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """Each token's ratio π/π_old (n, T), with the graph of ``logprobs``."""
-        return (logprobs - self.old_logprobs).exp()
+        """Each token's ratio π/π_old (n, T), with the graph of ``logprobs``; its log clamped to ±
+        :data:`MAX_LOG_RATIO`."""
+        return (logprobs - self.old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
 
 
 class PolicyLoss(Protocol):
@@ -70,19 +79,45 @@ class PolicyLoss(Protocol):
     def __call__(self, logprobs: torch.Tensor, batch: LossBatch, settings: LossSettings) -> PolicyLossOut: ...
 
 
+@dataclass(frozen=True)
+class LossDefaults:
+    """What a loss uses where the job's spec leaves a setting out (None)."""
+
+    clip_low: float = 0.2
+    """``cliprange_low`` (PPO's ``cliprange`` below): the ratio clipped below at 1 - this."""
+    clip_high: float = 0.2
+    """``cliprange_high`` (PPO's ``cliprange`` above): the ratio clipped above at 1 + this."""
+    aggregation: Aggregation | None = None
+    """``loss_aggregation``; None: the method's own (``token_mean``, Dr. GRPO's ``constant``)."""
+    thresholds: tuple[float, float] = (0.8, 1.2)
+    """A Tinker session's ``clip_low_threshold`` / ``clip_high_threshold`` (the ratio's bounds themselves) where a
+    request leaves them out (engine/session/losses.py): Tinker's documented defaults, 0.8 / 1.2 (its losses page:
+    the ε of ``ppo`` "currently fixed to 0.2 in Tinker"), for ``gspo`` too, whose Tinker docs give none of their
+    own."""
+
+    @property
+    def earlier_differs(self) -> bool:
+        """Whether a job spec leaving the clip range or the aggregation out trains otherwise than up to migration
+        0007, when every loss clipped at 0.2 by the method's aggregation."""
+        return (self.clip_low, self.clip_high, self.aggregation) != (0.2, 0.2, None)
+
+
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 """The policy losses, by the name ``policy_loss`` gives."""
+LOSS_DEFAULTS: dict[str, LossDefaults] = {}
+"""Each policy loss's own defaults, by its name, registered beside it."""
 DUAL_CLIP_LOSSES = ("ppo_clip", "gspo")
 """The losses that take ``dual_clip``: the clipped surrogates."""
 
 
-def register(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Adds the decorated loss to :data:`POLICY_LOSSES` under ``name``."""
+def register(name: str, defaults: LossDefaults = LossDefaults()) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Adds the decorated loss to :data:`POLICY_LOSSES` under ``name``, with its ``defaults``."""
 
     def add(loss: PolicyLoss) -> PolicyLoss:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is registered already")
         POLICY_LOSSES[name] = loss
+        LOSS_DEFAULTS[name] = defaults
         return loss
 
     return add
@@ -117,27 +152,32 @@ def importance_sampling(logprobs: torch.Tensor, batch: LossBatch, settings: Loss
     return PolicyLossOut(-batch.advantages * ratio, ratio.new_zeros(ratio.shape))
 
 
-@register("cispo")
+@register("cispo", LossDefaults(clip_low=1.0, clip_high=3.0, thresholds=(0.0, 4.0)))
 def cispo(logprobs: torch.Tensor, batch: LossBatch, settings: LossSettings) -> PolicyLossOut:
     """CISPO (MiniMax-M1, arXiv:2506.13585): -sg(clip(π/π_old, 1 - clip_low, 1 + clip_high))·A·log π. The
     importance weight is clipped and detached, the gradient of log π flows on every token: none is dropped, as
-    PPO's clip drops the tokens whose ratio left the range."""
+    PPO's clip drops the tokens whose ratio left the range. By default the weight has no lower bound (clip_low 1)
+    and is capped at 4 (clip_high 3): Tinker's documented default, clip(π/π_old, 0.0, 4.0) (its losses page,
+    "cispo": "Choosing clipping thresholds"), a session's too; MiniMax-M1 and TRL bound it above only too (verl's
+    example: a lower bound so wide it never acts)."""
     ratio = batch.ratio(logprobs)  # (n, T)
     weight = ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high).detach()
     clipped = ((ratio < 1.0 - settings.clip_low) | (ratio > 1.0 + settings.clip_high)).float()
     return PolicyLossOut(-weight * batch.advantages * logprobs, clipped)
 
 
-@register("gspo")
+@register("gspo", LossDefaults(clip_low=3e-4, clip_high=4e-4, aggregation="sequence_mean"))
 def gspo(logprobs: torch.Tensor, batch: LossBatch, settings: LossSettings) -> PolicyLossOut:
     """GSPO (Qwen, arXiv:2507.18071), the GSPO-token form: the sequence's ratio s_i = exp(mean over
     its kept tokens of log π/π_old), carried by each token as s_i,t = sg(s_i)·π_t/sg(π_t), so every token of a
     sequence has the same ratio and the gradient of s_i; then clipped as PPO's (and optionally dual-clipped). The
     paper's clip ranges are tiny, 3e-4 below and 4e-4 above (the sequence ratio moves far less than a token's),
-    and its loss the mean over sequences (``loss_aggregation: sequence_mean``)."""
+    and its loss the mean over sequences (``loss_aggregation: sequence_mean``): its defaults (arXiv:2507.18071
+    §5.1; verl forces the sequence mean). The sequence's log-ratio is clamped to ± :data:`MAX_LOG_RATIO`."""
     log_ratio = (logprobs - batch.old_logprobs) * batch.mask  # (n, T)
     sequence_log_ratio = log_ratio.sum(1, keepdim=True) / batch.mask.sum(1, keepdim=True).clamp(min=1)  # (n, 1)
-    ratio = (sequence_log_ratio.detach() + logprobs - logprobs.detach()).exp()  # (n, T)
+    sequence_log_ratio = sequence_log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = (sequence_log_ratio + logprobs - logprobs.detach()).exp()  # (n, T)
     return _clipped_surrogate(ratio, batch.advantages, settings)
 
 

@@ -1,7 +1,7 @@
 """Stored specs in this version's terms: a GRPO job whose KL is in the reward, or a PPO job, with ``kl_estimator``
 k2 or k3 (k3 was GRPO's default, so every ``reinforce_pp`` job stored it) now has k1 there, the one estimator this
-version accepts in the reward (engine.spec.config.upgraded_spec says why). Without this such a queued or paused job
-would fail when it resumes; each unfinished job it changes gets a ``warning`` event saying what changed.
+version accepts in the reward (engine.spec.config.upgraded_kl_estimator says why). Without this such a queued or
+paused job would fail when it resumes; each unfinished job it changes gets a ``warning`` event saying what changed.
 
 Revision ID: 0006
 Revises: 0005
@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 from alembic import op
 
-from engine.spec.config import kl_in_the_reward, upgraded_spec
+from engine.spec.config import kl_in_the_reward, upgraded_kl_estimator
 
 revision: str = "0006"
 down_revision: str | None = "0005"
@@ -44,7 +44,7 @@ def upgrade() -> None:
     connection = op.get_bind()
     candidates = sa.select(jobs.c.id, jobs.c.status, jobs.c.spec).where(jobs.c.type.in_(("grpo", "ppo")))
     for job_id, status, spec in connection.execute(candidates).all():
-        upgraded, changes = upgraded_spec(spec)
+        upgraded, changes = upgraded_kl_estimator(spec)
         if not changes:
             continue
         connection.execute(jobs.update().where(jobs.c.id == job_id).values(spec=upgraded))

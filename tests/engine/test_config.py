@@ -351,6 +351,43 @@ def test_a_spec_this_version_accepts_is_not_upgraded(spec: dict[str, Any]) -> No
     JobSpec.model_validate(spec)
 
 
+@pytest.mark.parametrize("job_type", ["grpo", "ppo", "distill"])
+@pytest.mark.parametrize("policy_loss", list(POLICY_LOSSES))
+def test_a_spec_this_version_stores_keeps_its_loss_s_own_defaults(job_type: str, policy_loss: str) -> None:
+    """What this version stores (null ranges, the aggregation filled in) is not taken for an earlier version's."""
+    spec = _loss_spec(job_type, policy_loss=policy_loss)
+    stored = JobSpec.model_validate(spec).model_dump(mode="json")
+    assert upgraded_spec(stored) == (stored, [])
+
+
+@pytest.mark.parametrize("job_type", ["grpo", "ppo", "distill"])
+@pytest.mark.parametrize("policy_loss", ["cispo", "gspo"])
+def test_an_earlier_cispo_or_gspo_spec_keeps_training_as_it_trained(job_type: str, policy_loss: str) -> None:
+    """Stored before each loss had its own defaults, leaving the range (and GRPO's aggregation) to them: the values
+    it trained with are written in (clip ranges 0.2, the token mean), each named."""
+    spec = _loss_spec(job_type, policy_loss=policy_loss, **({"loss_aggregation": None} if job_type == "grpo" else {}))
+    new, changes = upgraded_spec(spec)
+    config = JobSpec.model_validate(new).config
+    assert config.loss_settings == LossSettings(clip_low=0.2, clip_high=0.2)  # type: ignore[attr-defined]
+    assert config.aggregation == "token_mean"  # type: ignore[attr-defined]
+    ranges = 1 if job_type == "ppo" else 2
+    assert len(changes) == ranges + (policy_loss == "gspo"), changes
+    assert all(c.startswith("hyperparameters.") and "as the job trained until now" in c for c in changes)
+    dr_grpo = _loss_spec("grpo", policy_loss="gspo", advantage_estimator="dr_grpo", cliprange_low=0.1)
+    new, changes = upgraded_spec(dr_grpo)
+    assert new["hyperparameters"]["cliprange_low"] == 0.1  # set: kept
+    assert JobSpec.model_validate(new).config.aggregation == "constant"  # type: ignore[attr-defined]
+
+
+def _loss_spec(job_type: str, **hyperparameters: Any) -> dict[str, Any]:
+    references = {
+        "grpo": {"dataset": "builtin:digits-prompts", "reward": digits.GRADER},
+        "ppo": {"dataset": "builtin:reviews-prompts", "reward_model": "builtin:tiny"},
+        "distill": {"dataset": "builtin:digits-prompts", "teacher": "builtin:tiny"},
+    }
+    return {"type": job_type, "model": "builtin:tiny", **references[job_type], "hyperparameters": hyperparameters}
+
+
 # --- filled-in defaults and the typed config --------------------------------------------------
 
 
@@ -369,9 +406,11 @@ def test_ppo_hyperparameters_filled_in_and_typed():
     hp = {"batch_size": 96, "mini_batch_size": 24, "gradient_accumulation_steps": 3, "gamma": 0.99}
     spec = JobSpec.model_validate(_spec("ppo", hyperparameters=hp))
     assert set(spec.hyperparameters) == set(PPOConfig.model_fields)
-    assert spec.hyperparameters["cliprange"] == 0.2 and spec.hyperparameters["gamma"] == 0.99
+    assert spec.hyperparameters["cliprange"] is None and spec.hyperparameters["gamma"] == 0.99
+    assert spec.hyperparameters["loss_aggregation"] == "token_mean"  # filled in: the stored spec shows it
     config = spec.config
     assert type(config) is PPOConfig
+    assert config.loss_settings == LossSettings(clip_low=0.2, clip_high=0.2)  # ppo_clip's own range
     assert config.num_mini_batches == 4
     assert config.micro_batch_size == 8
     assert config == PPOConfig(**hp)
@@ -445,3 +484,38 @@ def test_loss_settings_from_each_config():
     assert ppo.loss_settings == LossSettings(clip_low=0.1, clip_high=0.1, dual_clip=3.0)
     grpo = GRPOConfig.model_validate({"cliprange_low": 3e-4, "cliprange_high": 4e-4, "policy_loss": "gspo"})
     assert grpo.loss_settings == LossSettings(clip_low=3e-4, clip_high=4e-4)
+
+
+@pytest.mark.parametrize(
+    ("policy_loss", "low", "high", "aggregation"),
+    [
+        ("ppo_clip", 0.2, 0.2, "token_mean"),
+        ("importance_sampling", 0.2, 0.2, "token_mean"),
+        ("cispo", 1.0, 3.0, "token_mean"),  # Tinker's clip(π/π_old, 0, 4): no lower bound, capped at 4
+        ("gspo", 3e-4, 4e-4, "sequence_mean"),  # the GSPO paper's (arXiv:2507.18071 §5.1)
+    ],
+)
+def test_a_spec_leaving_the_range_out_gets_its_loss_s_own(
+    policy_loss: str, low: float, high: float, aggregation: str
+) -> None:
+    for cls in (PPOConfig, GRPOConfig, DistillConfig):
+        config = cls.model_validate({"policy_loss": policy_loss})
+        assert config.loss_settings == LossSettings(clip_low=low, clip_high=high), cls
+        assert config.loss_aggregation == config.aggregation == aggregation, cls  # filled in, so stored
+    dr_grpo = GRPOConfig.model_validate({"policy_loss": policy_loss, "advantage_estimator": "dr_grpo"})
+    assert dr_grpo.aggregation == ("sequence_mean" if policy_loss == "gspo" else "constant")
+
+
+def test_a_spec_that_sets_a_range_or_an_aggregation_keeps_it() -> None:
+    cispo = GRPOConfig.model_validate({"policy_loss": "cispo", "cliprange_high": 0.28})
+    assert cispo.loss_settings == LossSettings(clip_low=1.0, clip_high=0.28)  # the other side: the loss's own
+    gspo = GRPOConfig.model_validate(
+        {"policy_loss": "gspo", "cliprange_low": 0.2, "cliprange_high": 0.2, "loss_aggregation": "token_mean"}
+    )
+    assert (gspo.loss_settings, gspo.aggregation) == (LossSettings(clip_low=0.2, clip_high=0.2), "token_mean")
+    ppo = PPOConfig.model_validate({"policy_loss": "cispo", "cliprange": 0.2, "loss_aggregation": "sequence_mean"})
+    assert (ppo.loss_settings, ppo.aggregation) == (LossSettings(clip_low=0.2, clip_high=0.2), "sequence_mean")
+    distill = DistillConfig.model_validate({"policy_loss": "gspo", "loss_aggregation": "constant"})
+    assert distill.aggregation == "constant"
+    assert GRPOConfig.model_validate({"cliprange_low": 1}).loss_settings.clip_low == 1.0  # no lower bound
+    assert _error(GRPOConfig, {"cliprange_low": 1.5}) == "cliprange_low: Input should be less than or equal to 1"

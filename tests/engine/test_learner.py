@@ -134,6 +134,29 @@ def test_run_updates_refuses_a_non_finite_loss(learner: Learner) -> None:
         run_updates(learner, 2, 2, 1, torch.Generator(), lambda inds, u: {"policy": math.nan}, ("policy",), 3)
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_gradient_is_refused_and_the_weights_kept(learner: Learner, bad: float) -> None:
+    """A finite loss whose gradient holds a NaN (or an infinity): the step raises NonFiniteLossError, as a
+    non-finite loss does, and neither the weights nor the optimizer state move; the gradients are cleared."""
+    from engine.core.loop import NonFiniteLossError
+
+    tokens, inputs = batch()
+    learner.forward_backward(tokens, Objective("ppo_clip", LossSettings(0.2, 0.2)), inputs)
+    learner.optim_step()  # a good step first: the optimizer has state to keep
+    before = [p.detach().clone() for p in learner.params]
+    assert learner.optimizer is not None
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in learner.optimizer.state.items()}
+    learner.forward_backward(tokens, Objective("ppo_clip", LossSettings(0.2, 0.2)), inputs)
+    assert all(math.isfinite(p.grad.sum().item()) for p in learner.params if p.grad is not None)
+    learner.params[3].grad.view(-1)[7] = bad  # type: ignore[union-attr]
+    with pytest.raises(NonFiniteLossError, match=f"grad_norm is {bad}"):
+        run_updates(learner, 2, 2, 1, torch.Generator(), lambda inds, u: {"policy": 0.5}, ("policy",), 3)
+    assert all(torch.equal(p, b) for p, b in zip(learner.params, before, strict=True))
+    assert all(p.grad is None for p in learner.params)
+    for p, s in learner.optimizer.state.items():
+        assert all(torch.equal(v, state[id(p)][k]) for k, v in s.items())
+
+
 @pytest.mark.parametrize("name", list(POLICY_LOSSES))
 def test_rollout_correction_weights_each_tokens_policy_loss(learner: Learner, name: str) -> None:
     """With ``rollout_correction`` C, forward_backward's policy loss (and its gradient) is the naive sum over the

@@ -14,11 +14,19 @@ import torch
 from engine.builtin import digits
 from engine.core.data import load_rows
 from engine.core.models import resolve_model_ref
+from engine.core.ops import aggregate
 from engine.demo import TASKS, evaluate_policy
 from engine.methods.grpo import clipped_surrogate
 from engine.methods.ppo import policy_loss
 from engine.spec.config import JobSpec
-from engine.spec.policy_losses import POLICY_LOSSES, LossBatch, LossSettings, PolicyLossOut, rollout_correction
+from engine.spec.policy_losses import (
+    MAX_LOG_RATIO,
+    POLICY_LOSSES,
+    LossBatch,
+    LossSettings,
+    PolicyLossOut,
+    rollout_correction,
+)
 from tests.engine.helpers import train
 from tests.models import write_jsonl
 
@@ -87,14 +95,15 @@ def _surrogate(a: float, ratio: Scalar, low: float, high: float, dual_clip: floa
 
 
 def _token_ratios(old: list[float], leaves: list[Scalar]) -> list[Scalar]:
-    """π_t / π_old,t."""
-    return [torch.exp(logp - old[t]) for t, logp in enumerate(leaves)]
+    """π_t / π_old,t, the log-ratio clamped to ±20 as verl clamps it (verl/trainer/ppo/core_algos.py)."""
+    return [torch.exp(torch.clamp(logp - old[t], -20.0, 20.0)) for t, logp in enumerate(leaves)]
 
 
 def _sequence_ratios(old: list[float], leaves: list[Scalar]) -> list[Scalar]:
-    """GSPO-token's s_i,t = sg(s_i)·π_t/sg(π_t), s_i = (π(y_i)/π_old(y_i))^(1/|y_i|) (Qwen, arXiv:2507.18071); the
-    stop-gradients as plain numbers."""
-    s = math.exp(sum(logp.item() - old[t] for t, logp in enumerate(leaves)) / len(leaves))
+    """GSPO-token's s_i,t = sg(s_i)·π_t/sg(π_t), s_i = (π(y_i)/π_old(y_i))^(1/|y_i|) (Qwen, arXiv:2507.18071), its
+    log clamped to ±20; the stop-gradients as plain numbers."""
+    log_s = sum(logp.item() - old[t] for t, logp in enumerate(leaves)) / len(leaves)
+    s = math.exp(min(max(log_s, -20.0), 20.0))
     return [s * torch.exp(logp - logp.item()) for logp in leaves]
 
 
@@ -166,7 +175,7 @@ def test_cispo_weights_every_tokens_log_prob_by_its_clipped_ratio(low: float, hi
     def naive(i: int, leaves: list[Scalar]) -> tuple[list[Scalar], list[bool]]:
         losses, flags = [], []
         for t, logp in enumerate(leaves):
-            ratio = math.exp(logp.item() - old[i, t].item())
+            ratio = math.exp(min(max(logp.item() - old[i, t].item(), -20.0), 20.0))
             weight = min(max(ratio, 1 - low), 1 + high)  # a number: sg(·) of MiniMax-M1, arXiv:2506.13585
             losses.append(-weight * adv[i, t].item() * logp)
             flags.append(weight != ratio)
@@ -192,6 +201,52 @@ def test_gspo_token_has_the_gradient_of_the_sequence_level_objective() -> None:
         loss, _ = _surrogate(adv[i, 0].item(), s, low, high, None)
         for t, g in enumerate(torch.autograd.grad(loss / len(LENGTHS), leaves)):
             assert grad[i, t].item() == pytest.approx(g.item(), rel=1e-10, abs=1e-15), (i, t)
+
+
+@pytest.mark.parametrize("name", list(POLICY_LOSSES))
+def test_log_ratios_past_20_are_clamped_as_verl_clamps_them(name: str) -> None:
+    """Ratios far past e^±20 (log-ratios of scale 30): each loss against its naive loop with the log-ratio clamped
+    to ±20 (verl/trainer/ppo/core_algos.py ``compute_policy_loss_vanilla``), values, flags and gradients."""
+    assert MAX_LOG_RATIO == 20.0
+    old = -_randn(1, scale=10.0).abs() - 25.0  # tokens the sampler found very unlikely
+    logprobs = (old + _randn(2, scale=30.0)).clamp(max=-1e-3).requires_grad_()
+    adv = _randn(3)
+    log_ratio = logprobs.detach() - old
+    assert (log_ratio[_mask().bool()] > 20).any() and (log_ratio[_mask().bool()] < -20).any()
+    low, high = (1.0, 3.0) if name == "cispo" else (0.2, 0.2)
+    out = POLICY_LOSSES[name](logprobs, LossBatch(old, adv, _mask()), LossSettings(low, high))
+
+    def naive(i: int, leaves: list[Scalar]) -> tuple[list[Scalar], list[bool]]:
+        olds = old[i].tolist()
+        if name in RATIOS:
+            pairs = [_surrogate(adv[i, t].item(), r, low, high, None) for t, r in enumerate(RATIOS[name](olds, leaves))]
+            return [loss for loss, _ in pairs], [flag for _, flag in pairs]
+        if name == "importance_sampling":
+            return [-adv[i, t].item() * r for t, r in enumerate(_token_ratios(olds, leaves))], [False] * len(leaves)
+        ratios = [math.exp(min(max(logp.item() - olds[t], -20.0), 20.0)) for t, logp in enumerate(leaves)]
+        weights = [min(max(r, 1 - low), 1 + high) for r in ratios]  # cispo
+        return [-w * adv[i, t].item() * leaves[t] for t, w in enumerate(weights)], [
+            w != r for w, r in zip(weights, ratios, strict=True)
+        ]
+
+    _check(out, logprobs, naive)
+
+
+@pytest.mark.parametrize("name", list(POLICY_LOSSES))
+@pytest.mark.parametrize("how", ["token_mean", "sequence_mean"])
+def test_a_ratio_past_float32s_range_gives_finite_gradients(name: str, how: str) -> None:
+    """log π/π_old of ±100 (e^100 overflows float32) on kept and masked tokens: the aggregated loss and its
+    gradient stay finite (unclamped, the infinite ratio made them NaN: 0·∞ on a masked or clipped token)."""
+    logprobs, old, adv = (x.detach().float() for x in _inputs())
+    mask = _mask().float()
+    logprobs[:, 0] = old[:, 0] + 100.0
+    logprobs[:, -1] = old[:, -1] - 100.0
+    logprobs.requires_grad_()
+    out = POLICY_LOSSES[name](logprobs, LossBatch(old, adv, mask), LossSettings(0.2, 0.2))
+    loss = aggregate(out.per_token, mask, how)  # type: ignore[arg-type]
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all(), (name, how)
+    assert (grad[mask == 0] == 0).all()
 
 
 @pytest.mark.parametrize("name", list(POLICY_LOSSES))

@@ -4,6 +4,7 @@ One server for the module, with a tiny chat model (Qwen2 architecture, ChatML te
 test opens its own ``ServiceClient`` (its own session job)."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -313,6 +314,33 @@ def test_a_multi_turn_loop_with_a_tool_answer_trains_on_the_models_tokens(servic
     service.close("success").result()
 
 
+def test_dro_and_cispo_s_default_as_tinker_documents_them(service: Any) -> None:
+    """The SDK sends ``dro`` (with and without ``beta``) and ``cispo`` without a config: each loss as Tinker's
+    losses page writes it, cispo's weight clip(π/π_sampler, 0, 4)."""
+    training = service.create_lora_training_client(base_model=MODEL, rank=4).result()
+    tokens, targets = [1, 2, 3, 4], [2, 3, 4, 5]
+    plain = types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs={"target_tokens": targets})
+    own = training.forward([plain], "cross_entropy").result()
+    logprobs = own.loss_fn_outputs[0]["logprobs"].data  # the model's own log-probs of the targets
+    ratios, advantages = [1.0, 0.5, 2.0, 6.0], [0.0, 1.0, -1.0, 1.0]
+    sampler = [lp - math.log(r) for lp, r in zip(logprobs, ratios, strict=True)]
+    inputs = {"target_tokens": targets, "logprobs": sampler, "advantages": advantages}
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
+    cispo = training.forward([datum], "cispo").result()
+    weights = [1.0, 0.5, 2.0, 4.0]  # clipped at [0.8, 1.2] they would weigh 1.0, 0.8, 1.2, 1.2
+    expected = [-w * a * lp for w, a, lp in zip(weights, advantages, logprobs, strict=True)]
+    assert cispo.loss_fn_outputs[0]["elementwise_loss"].data == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    for config, beta in ((None, 0.05), ({"beta": 0.5}, 0.5)):
+        dro = training.forward_backward([datum], "dro", config).result()
+        expected = [
+            -(lp * a - 0.5 * beta * (lp - q) ** 2) for lp, a, q in zip(logprobs, advantages, sampler, strict=True)
+        ]
+        assert dro.loss_fn_outputs[0]["elementwise_loss"].data == pytest.approx(expected, rel=1e-4, abs=1e-5)
+        assert dro.metrics["loss:sum"] == pytest.approx(sum(expected), rel=1e-4, abs=1e-5)
+    training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    service.close("success").result()
+
+
 def test_bad_input_fails_the_request_as_the_users_and_the_session_goes_on(service: Any) -> None:
     training = service.create_lora_training_client(base_model=MODEL, rank=4).result()
     vocab = training.get_tokenizer().vocab_size
@@ -331,8 +359,8 @@ def test_bad_input_fails_the_request_as_the_users_and_the_session_goes_on(servic
             training.forward_backward(data, loss).result()
         assert failure.value.category == "user" and named in failure.value.message, failure.value.message
     with pytest.raises(tinker.RequestFailedError) as unknown:
-        training.forward_backward([good], "dro").result()
-    assert unknown.value.category == "user" and "loss_fn 'dro' is not supported" in unknown.value.message
+        training.forward_backward([good], "stable_reinforce").result()
+    assert unknown.value.category == "user" and "loss_fn 'stable_reinforce' is not supported" in unknown.value.message
     # the session and its model are unharmed
     assert training.forward_backward([good], "cross_entropy").result().metrics["loss:sum"] > 0
     training.optim_step(types.AdamParams(learning_rate=1e-3)).result()

@@ -5,6 +5,7 @@ LoRA) by autograd of the naive sum. Then ragged chunks, accumulation over calls,
 validation error naming its datum and field."""
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -92,8 +93,25 @@ def clip(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
     return x.clamp(low, high)
 
 
+TINKER_DEFAULTS = {"cispo": (0.0, 4.0)}
+"""Each loss's clip thresholds where a request gives none, as Tinker documents them (its losses page): cispo's
+clip(π/π_sampler, 0, 4); (0.8, 1.2), PPO's ε = 0.2, for the others."""
+DRO_BETA = 0.05
+"""dro's beta where a request gives none: the value of Tinker's docs' example."""
+
+
+def thresholds(loss_fn: str, config: dict[str, float]) -> tuple[float, float]:
+    low, high = TINKER_DEFAULTS.get(loss_fn, (0.8, 1.2))
+    return config.get("clip_low_threshold", low), config.get("clip_high_threshold", high)
+
+
 def naive_losses(
-    loss_fn: str, logprobs: list[torch.Tensor], inputs: dict[str, torch.Tensor], low: float, high: float
+    loss_fn: str,
+    logprobs: list[torch.Tensor],
+    inputs: dict[str, torch.Tensor],
+    low: float,
+    high: float,
+    beta: float = DRO_BETA,
 ) -> list[torch.Tensor]:
     """Each token's loss, token by token, as Tinker's docs write the loss (ratios π/π_sampler)."""
     n = len(logprobs)
@@ -101,6 +119,8 @@ def naive_losses(
         weights = inputs.get("weights", torch.ones(n))
         return [-logprobs[t] * weights[t] for t in range(n)]
     old, advantages = inputs["logprobs"], inputs["advantages"]
+    if loss_fn == "dro":  # -(log p·A - ½β(log p - log q)²)
+        return [-(logprobs[t] * advantages[t] - 0.5 * beta * (logprobs[t] - old[t]) ** 2) for t in range(n)]
     ratio_mask = inputs.get("sequence_ratio_mask", advantages)
     losses = []
     kept = [t for t in range(n) if ratio_mask[t] != 0]
@@ -119,10 +139,15 @@ def naive_losses(
     return losses
 
 
-def naive_total(model: PreTrainedModel, datums: list[Datum], loss_fn: str, low: float, high: float) -> torch.Tensor:
+def naive_total(
+    model: PreTrainedModel, datums: list[Datum], loss_fn: str, low: float, high: float, beta: float = DRO_BETA
+) -> torch.Tensor:
     """Σ over datums and tokens of the naive losses, with the graph to the model's parameters."""
     return sum(
-        (sum(naive_losses(loss_fn, naive_logprobs(model, d), d.inputs, low, high), torch.zeros(())) for d in datums),
+        (
+            sum(naive_losses(loss_fn, naive_logprobs(model, d), d.inputs, low, high, beta), torch.zeros(()))
+            for d in datums
+        ),
         torch.zeros(()),
     )
 
@@ -144,7 +169,7 @@ def assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 
 
 def test_the_server_takes_tinker_names_and_the_registry() -> None:
-    assert set(LOSSES) == {"cross_entropy", "ppo", *POLICY_LOSSES}
+    assert set(LOSSES) == {"cross_entropy", "ppo", "dro", *POLICY_LOSSES}
     assert {"cross_entropy", "ppo", "importance_sampling", "cispo", "gspo"} <= set(LOSSES)
 
 
@@ -169,6 +194,11 @@ CASES = [
     ("llama", "ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
     ("full", "ppo_clip", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
     ("full", "cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
+    ("full", "cispo", {}),  # Tinker's default: clip(π/π_sampler, 0, 4)
+    ("lora", "cispo", {}),
+    ("full", "dro", {}),
+    ("lora", "dro", {"beta": 0.3}),
+    ("llama", "dro", {"beta": 0.0}),
     ("full", "gspo", {}),
     ("full", "gspo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.02}),
     ("lora", "gspo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.02}),
@@ -180,25 +210,28 @@ def test_forward_backward_is_the_naive_sum_and_its_gradient(kind: str, loss_fn: 
     model = MODELS[kind]()
     naive_model = copy.deepcopy(model)
     datums = for_loss(make_datums(1, model=model), loss_fn)
-    low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    (low, high), beta = thresholds(loss_fn, config), config.get("beta", DRO_BETA)
 
     outputs, metrics = forward_backward(model, datums, loss_fn, config, backward=True, chunk_size=3)
-    total = naive_total(naive_model, datums, loss_fn, low, high)
+    total = naive_total(naive_model, datums, loss_fn, low, high, beta)
     total.backward()
 
     for datum, output in zip(datums, outputs, strict=True):
         with torch.no_grad():
             logprobs = naive_logprobs(naive_model, datum)
-            expected = torch.stack(naive_losses(loss_fn, logprobs, datum.inputs, low, high))
+            expected = torch.stack(naive_losses(loss_fn, logprobs, datum.inputs, low, high, beta))
         assert output["logprobs"].dtype == output["elementwise_loss"].dtype == torch.float32
         assert not output["logprobs"].requires_grad and not output["elementwise_loss"].requires_grad
         torch.testing.assert_close(output["logprobs"], torch.stack(logprobs), atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(output["elementwise_loss"], expected, atol=ATOL, rtol=RTOL)
     assert metrics["loss:sum"] == pytest.approx(float(total.detach()), abs=1e-4, rel=1e-4)
     assert_same_grads(grads(model), grads(naive_model))
-    if loss_fn != "cross_entropy":
+    if loss_fn == "dro":
+        assert set(metrics) == {"loss:sum"}  # Tinker's documented diagnostics; no ratio is taken
+    elif loss_fn != "cross_entropy":
         assert metrics["ratio:mean"] > 0
-        clipping = loss_fn != "importance_sampling"
+        # the ratios here lie within (0.2, 3): cispo's default range (0, 4) clips none, (0.8, 1.2) clipped some
+        clipping = loss_fn != "importance_sampling" and (loss_fn, config) != ("cispo", {})
         assert (0 < metrics["clipfrac:mean"] < 1) if clipping else metrics["clipfrac:mean"] == 0
 
 
@@ -362,13 +395,45 @@ def test_a_bad_datum_is_named_with_its_field(loss_fn: str, change: Change, field
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("loss_fn", ["dro", "stable_reinforce", "custom", "PPO"])
+@pytest.mark.parametrize("loss_fn", ["stable_reinforce", "custom", "PPO"])
 def test_an_unknown_loss_is_named_and_the_supported_listed(loss_fn: str) -> None:
     for check in (lambda: check_datums([], loss_fn, VOCAB, CONTEXT), lambda: check_config(loss_fn, {})):
         with pytest.raises(UserError) as error:
             check()
         assert f"{loss_fn!r}" in str(error.value)
-        assert all(name in str(error.value) for name in ("cross_entropy", "ppo", *POLICY_LOSSES))
+        assert all(name in str(error.value) for name in ("cross_entropy", "ppo", "dro", *POLICY_LOSSES))
+        if loss_fn == "stable_reinforce":  # why, and what to train with instead
+            assert "unpublished" in str(error.value) and "loss_fn=ppo" in str(error.value), str(error.value)
+
+
+def test_cispo_without_a_config_weights_by_the_ratio_up_to_4_as_tinker_documents() -> None:
+    """Tinker's cispo default is clip(π/π_sampler, 0.0, 4.0): ratios 0.5, 2 and 6 weigh 0.5, 2 and 4 (clipped at
+    [0.8, 1.2] they weighed 0.8, 1.2, 1.2); only the ratio above 4 counts as clipped."""
+    model = tiny()
+    datum = for_loss(make_datums(10, lengths=[5]), "cispo")[0]
+    with torch.no_grad():
+        own = torch.stack(naive_logprobs(model, datum))  # (5,)
+    ratios = torch.tensor([1.0, 1.0, 0.5, 2.0, 6.0])
+    datum.inputs["logprobs"] = own - ratios.log()
+    datum.inputs["advantages"] = torch.tensor([0.0, 0.0, 1.0, -1.0, 1.0])
+    outputs, metrics = forward_backward(model, [datum], "cispo", {}, backward=False)
+    weights = torch.tensor([1.0, 1.0, 0.5, 2.0, 4.0])
+    expected = -weights * datum.inputs["advantages"] * outputs[0]["logprobs"]
+    torch.testing.assert_close(outputs[0]["elementwise_loss"], expected, atol=ATOL, rtol=RTOL)
+    assert metrics["clipfrac:mean"] == pytest.approx(1 / 3)  # of the 3 response tokens, the ratio 6
+
+
+def test_huge_log_ratios_give_finite_losses_and_gradients() -> None:
+    """Sampler log-probs 100 below or above the model's own (ratios e^±100, past float32): every ratio loss's sum
+    and gradients stay finite, as does ratio:mean (the log-ratio clamped to ±20 as verl clamps it)."""
+    for loss_fn in ("importance_sampling", "ppo", "cispo", "gspo"):
+        model = tiny()
+        datums = for_loss(make_datums(11, model=model), loss_fn)
+        for i, datum in enumerate(datums):
+            datum.inputs["logprobs"] = datum.inputs["logprobs"] + (100.0 if i % 2 else -100.0)
+        _, metrics = forward_backward(model, datums, loss_fn, {}, backward=True)
+        assert all(math.isfinite(value) for value in metrics.values()), (loss_fn, metrics)
+        assert all(bool(g.isfinite().all()) for g in grads(model).values()), loss_fn
 
 
 @pytest.mark.parametrize(
@@ -380,6 +445,8 @@ def test_an_unknown_loss_is_named_and_the_supported_listed(loss_fn: str) -> None
         ("ppo", {"clip_low_threshold": 1.2}, ["loss_fn_config.clip_low_threshold", "[0, 1]"]),
         ("ppo", {"clip_high_threshold": 0.8}, ["loss_fn_config.clip_high_threshold", "1 or more"]),
         ("ppo", {"clip_high_threshold": float("inf")}, ["loss_fn_config.clip_high_threshold"]),
+        ("dro", {"beta": -0.1}, ["loss_fn_config.beta", "0 or more"]),
+        ("dro", {"clip_low_threshold": 0.8}, ["loss_fn_config.clip_low_threshold", "'dro'", "beta"]),
     ],
 )
 def test_a_bad_config_is_named_by_its_key(loss_fn: str, config: dict[str, float | str], words: list[str]) -> None:

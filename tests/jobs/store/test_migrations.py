@@ -4,6 +4,7 @@ import json
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -264,5 +265,113 @@ def test_0007_adds_training_sessions_and_downgrades_without_them(bare_url: str) 
 
         migrate.upgrade(bare_url)  # and up again
         assert query(engine, "SELECT count(*) FROM training_sessions") == [(0,)]
+    finally:
+        engine.dispose()
+
+
+def test_0008_writes_in_what_cispo_and_gspo_jobs_trained_with_and_downgrades(bare_url: str) -> None:
+    """Specs 0007's code stored keep training as they trained, now that cispo and gspo have defaults of their own;
+    after a downgrade 0007's code reads every spec this version stores."""
+    migrate.upgrade(bare_url, "0007")
+    engine = db.make_engine(bare_url)
+    grpo = {"type": "grpo", "model": "builtin:tiny", "dataset": "builtin:digits-prompts", "reward": digits.GRADER}
+    ppo = {"type": "ppo", "model": "builtin:tiny", "dataset": "builtin:reviews-prompts", "reward_model": "builtin:tiny"}
+    distill = {
+        "type": "distill",
+        "model": "builtin:tiny",
+        "teacher": "builtin:tiny",
+        "dataset": "builtin:digits-prompts",
+    }
+    earlier = {  # (spec as 0007 stored it, status)
+        "job_cispo": ({**grpo, "hyperparameters": {"policy_loss": "cispo"}}, "queued"),  # a range left out
+        "job_cispo_set": (
+            {**grpo, "hyperparameters": {"policy_loss": "cispo", "cliprange_low": 0.2, "cliprange_high": 0.28}},
+            "paused",
+        ),
+        "job_gspo": ({**grpo, "hyperparameters": {"policy_loss": "gspo", "loss_aggregation": None}}, "running"),
+        "job_gspo_dr": (
+            {**grpo, "hyperparameters": {"policy_loss": "gspo", "advantage_estimator": "dr_grpo"}},
+            "succeeded",
+        ),
+        "job_ppo_gspo": ({**ppo, "hyperparameters": {"policy_loss": "gspo", "cliprange": 0.05}}, "paused"),
+        "job_ppo": ({**ppo, "hyperparameters": {"cliprange": 0.2}}, "queued"),
+        "job_distill_gspo": ({**distill, "hyperparameters": {"policy_loss": "gspo"}}, "failed"),
+    }
+    insert_job = sa.text(
+        "INSERT INTO jobs (id, project_id, type, status, spec, attempt, step, latest_metrics, created_at, "
+        "updated_at) VALUES (:id, 'p', :type, :status, :spec, 1, 0, '{}', :now, :now)"
+    )
+
+    def stored() -> dict[str, dict[str, Any]]:
+        rows = query(engine, "SELECT id, CAST(spec AS TEXT) FROM jobs")
+        return {job_id: json.loads(spec)["hyperparameters"] for job_id, spec in rows}
+
+    try:
+        now = datetime.now(UTC)
+        with engine.begin() as connection:
+            add_project(connection, now)
+            for job_id, (spec, status) in earlier.items():
+                values = {"id": job_id, "type": spec["type"], "status": status, "now": now}
+                connection.execute(insert_job, {**values, "spec": json.dumps(spec)})
+        engine.dispose()
+
+        migrate.upgrade(bare_url, "0008")
+        assert query(engine, "SELECT version_num FROM alembic_version") == [("0008",)]
+        trained = {  # (clip below, clip above, aggregation): what 0007's code trained each with
+            "job_cispo": (0.2, 0.2, "token_mean"),
+            "job_cispo_set": (0.2, 0.28, "token_mean"),
+            "job_gspo": (0.2, 0.2, "token_mean"),
+            "job_gspo_dr": (0.2, 0.2, "constant"),
+            "job_ppo_gspo": (0.05, 0.05, "token_mean"),
+            "job_ppo": (0.2, 0.2, "token_mean"),
+            "job_distill_gspo": (0.2, 0.2, "token_mean"),
+        }
+        rows = query(engine, "SELECT id, CAST(spec AS TEXT) FROM jobs")
+        for job_id, spec in rows:
+            config = JobSpec.model_validate(json.loads(spec)).config
+            settings = config.loss_settings  # type: ignore[attr-defined]
+            assert (settings.clip_low, settings.clip_high, config.aggregation) == trained[job_id], job_id  # type: ignore[attr-defined]
+        assert stored()["job_cispo"]["cliprange_low"] == stored()["job_cispo"]["cliprange_high"] == 0.2
+        assert stored()["job_ppo"] == {"cliprange": 0.2}  # nothing changed: no warning either
+        events = query(engine, "SELECT job_id, kind, CAST(data AS TEXT) FROM events ORDER BY job_id")
+        assert [(job_id, kind) for job_id, kind, _ in events] == [
+            ("job_cispo", "warning"),
+            ("job_gspo", "warning"),
+            ("job_ppo_gspo", "warning"),
+        ]  # the unfinished jobs changed; not the finished ones
+        data = {job_id: json.loads(text) for job_id, _, text in events}
+        assert all(d["reason"] == "spec_upgraded" for d in data.values())
+        assert len(data["job_cispo"]["changes"]) == 2 and len(data["job_gspo"]["changes"]) == 3
+        assert any("loss_aggregation token_mean" in change for change in data["job_gspo"]["changes"])
+
+        new = {  # specs this version stores: null ranges (the loss's own), no lower bound, gspo's aggregation
+            "job_new_cispo": JobSpec.model_validate({**grpo, "hyperparameters": {"policy_loss": "cispo"}}),
+            "job_new_low": JobSpec.model_validate({**grpo, "hyperparameters": {"cliprange_low": 1}}),
+            "job_new_ppo": JobSpec.model_validate({**ppo, "hyperparameters": {"policy_loss": "gspo"}}),
+            "job_new_distill": JobSpec.model_validate({**distill, "hyperparameters": {"policy_loss": "cispo"}}),
+        }
+        with engine.begin() as connection:
+            for job_id, spec in new.items():
+                values = {"id": job_id, "type": spec.type, "status": "queued", "now": now}
+                connection.execute(insert_job, {**values, "spec": json.dumps(spec.model_dump(mode="json"))})
+        engine.dispose()
+
+        command.downgrade(migrate.alembic_config(bare_url), "0007")
+        assert query(engine, "SELECT version_num FROM alembic_version") == [("0007",)]
+        hp = stored()
+        assert "loss_aggregation" not in hp["job_ppo_gspo"] and "loss_aggregation" not in hp["job_distill_gspo"]
+        assert hp["job_gspo"]["loss_aggregation"] == "token_mean"  # GRPO's: 0007 reads it
+        assert hp["job_new_cispo"]["cliprange_low"] < 1 and 1 - hp["job_new_cispo"]["cliprange_low"] < 1e-15
+        assert hp["job_new_cispo"]["cliprange_high"] == 3.0  # the weight capped at 4
+        assert hp["job_new_low"]["cliprange_low"] < 1 and hp["job_new_low"]["cliprange_high"] == 0.2
+        assert hp["job_new_ppo"]["cliprange"] == 4e-4 and "loss_aggregation" not in hp["job_new_ppo"]
+        assert (hp["job_new_distill"]["cliprange_low"], hp["job_new_distill"]["cliprange_high"]) == (1 - 2**-53, 3.0)
+        for job_id in (*earlier, *new):  # 0007's clip ranges: numbers, cliprange_low below 1
+            values = [hp[job_id].get(name, 0.2) for name in ("cliprange", "cliprange_low", "cliprange_high")]
+            assert all(isinstance(v, float) for v in values) and hp[job_id].get("cliprange_low", 0.2) < 1, job_id
+        engine.dispose()
+
+        migrate.upgrade(bare_url)  # and up again: the explicit values stay
+        assert stored()["job_cispo"]["cliprange_low"] == 0.2
     finally:
         engine.dispose()
