@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from engine import cli as engine_cli
@@ -213,12 +214,23 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "train":  # before a tracker's library starts: see engine.tracking.quiet_environment
         os.environ.update(quiet_environment(args.out / "trackers", os.environ))
-    try:
-        engine_cli.run_command(args)
-    except ClientError as e:
-        raise SystemExit(f"error: {e}") from None
-    except InvalidSettings as e:  # one line a variable, at every command that reads the settings
-        raise SystemExit("\n".join(f"error: {line}" for line in e.lines)) from None
+    args.func = in_own_words(args.func)
+    engine_cli.run_command(args)
+
+
+def in_own_words(func: Callable[[argparse.Namespace], None]) -> Callable[[argparse.Namespace], None]:
+    """``func`` ending in its own words on the service's errors: a client's error as its message, settings that do
+    not read one line a variable. (A SystemExit, which the engine's ``run_command`` passes on as it is.)"""
+
+    def run(args: argparse.Namespace) -> None:
+        try:
+            func(args)
+        except ClientError as e:
+            raise SystemExit(f"error: {e}") from None
+        except InvalidSettings as e:  # at every command that reads the settings
+            raise SystemExit("\n".join(f"error: {line}" for line in e.lines)) from None
+
+    return run
 
 
 if __name__ == "__main__":
