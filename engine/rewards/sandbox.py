@@ -386,6 +386,8 @@ def _read_until_closed(
 def _batch(outcome: _Outcome, n_calls: int, limits: SandboxLimits, seconds: float) -> GradeBatch:
     """The :class:`GradeBatch` of a finished sandbox process; raises :class:`SandboxUnavailable` when it never
     got as far as isolating itself."""
+    if outcome.killed_for == STOPPED:  # perhaps before it was ready: whether it could isolate is unknown
+        return GradeBatch([None] * n_calls, [None] * n_calls, STOPPED, seconds)
     lines = outcome.results.split(b"\n")
     first = _json_or_none(lines[0])
     if not (isinstance(first, dict) and first.get("ready") is True):
