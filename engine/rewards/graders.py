@@ -642,8 +642,10 @@ def _import_problems(name: str, source: str) -> list[str]:
     if not missing:
         return []
     packages = ", ".join(offered) or "none"
-    return [f"grader {name!r}: its source imports {', '.join(missing)}, which a source grader cannot import here: "
-            f"it has the standard library and these of OpenAI's grader packages: {packages}"]  # fmt: skip
+    has = f"it has the standard library and these of OpenAI's grader packages: {packages}"
+    return [
+        f"grader {name!r}: its source imports {', '.join(missing)}, which a source grader cannot import here: {has}"
+    ]
 
 
 def _url_allowed(url: str, entry: str) -> bool:
@@ -1132,9 +1134,9 @@ def _score_source(grader: PythonGrader, name: str, scoring: _Scoring) -> list[fl
     samples = scoring.samples
     calls = [(openai_sample(text), dict(row)) for text, row in zip(samples.completions, samples.rows, strict=True)]
     stop = scoring.should_stop
+    asks = (lambda: stop() is not None) if stop else None
     try:
-        batch = sandbox.grade_source(grader.source, calls, scoring.sandbox_limits,
-                                     should_stop=(lambda: stop() is not None) if stop else None)  # fmt: skip
+        batch = sandbox.grade_source(grader.source, calls, scoring.sandbox_limits, should_stop=asks)
     except sandbox.SandboxUnavailable as e:
         raise RewardFunctionError(f"grader {name!r}: source graders cannot run here: {e}") from e
     if batch.batch_error == sandbox.STOPPED:

@@ -232,7 +232,7 @@ def _distribution_paths(name: str) -> list[str] | None:
             top = file.parts[0]
             if top in ("..", "__pycache__") or top.endswith(".pth"):
                 continue
-            path = os.path.realpath(distribution.locate_file(top))  # type: ignore[arg-type]
+            path = os.path.realpath(str(distribution.locate_file(top)))
             if not os.access(path, os.R_OK):
                 return None
             found[top] = path

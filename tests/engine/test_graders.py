@@ -614,8 +614,8 @@ def grade(sample, item):
     from . import sibling
     return 1.0
 """
-    grader = parse_grader({"type": "multi", "graders": {"code": {"type": "python", "source": source}},
-                           "weights": {"code": 1}})  # fmt: skip
+    code = {"type": "python", "source": source}
+    grader = parse_grader({"type": "multi", "graders": {"code": code}, "weights": {"code": 1}})
     assert check_allowed(grader, [], None) == [
         "grader 'code': its source imports sqlalchemy, requests, which a source grader cannot import here: it has "
         f"the standard library and these of OpenAI's grader packages: {', '.join(sandbox.offered_packages().modules)}"
@@ -897,8 +897,8 @@ def test_a_stop_reaches_a_source_grader_and_between_graders() -> None:
     many = {f"g{i}": {"type": "string_check", "input": OUTPUT, "reference": "x", "operation": "eq"} for i in range(9)}
     asks = Asks(None, None, None, "pause")
     with pytest.raises(RewardStopped):
-        score(parse_grader({"type": "multi", "graders": many, "calculate_output": "g0"}), make_samples(["x"]),
-              should_stop=asks)  # fmt: skip
+        multi = parse_grader({"type": "multi", "graders": many, "calculate_output": "g0"})
+        score(multi, make_samples(["x"]), should_stop=asks)
     assert asks.calls == 4  # one before each grader, until the fourth
 
 
