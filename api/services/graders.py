@@ -48,7 +48,8 @@ ERROR_FLAGS = (
 
 
 def checked_grader(settings: Settings, data: Any) -> Grader:
-    """The grader of a request's ``grader`` field, as a job's reward would be accepted; 400 naming the field."""
+    """The grader of a request's ``grader`` field, as a job's reward would be accepted, its source graders
+    importing only what the sandbox here offers; 400 naming the field."""
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_request", "grader must be a JSON object", param="grader")
     try:
@@ -61,6 +62,9 @@ def checked_grader(settings: Settings, data: Any) -> Grader:
                                      settings.judges.keys(), settings.source_graders)  # fmt: skip
     if problems:
         raise ApiError(400, "reward_not_allowed", "; ".join(problems), param="grader")
+    imports = graders.import_problems(grader)  # what this process's sandbox offers (the workers offer their own)
+    if imports:
+        raise ApiError(400, "invalid_request", "; ".join(imports), param="grader")
     return grader
 
 

@@ -612,8 +612,6 @@ def check_allowed(
             problems.append(f"grader {name!r}: the judge {sub.model!r} is not offered here (RLHF_JUDGES: {offered})")
         if isinstance(sub, PythonGrader) and sub.source is not None and not source_graders:
             problems.append(f"grader {name!r}: python source graders are switched off here (RLHF_SOURCE_GRADERS)")
-        if isinstance(sub, PythonGrader) and sub.source is not None and source_graders:
-            problems += _import_problems(name, sub.source)
         if isinstance(sub, HttpGrader) and not any(_url_allowed(sub.url, entry) for entry in allowed_urls):
             allowed = ", ".join(allowed_urls) or "none"
             problems.append(f"grader {name!r}: the reward service {_public_url(sub.url)} is not allowed ({allowed})")
@@ -628,24 +626,27 @@ def check_allowed(
     return problems
 
 
-def _import_problems(name: str, source: str) -> list[str]:
-    """Why the sandbox cannot import what ``source`` imports (absolute imports, anywhere in it): only the standard
-    library and the offered packages are there (empty: it can)."""
+def import_problems(grader: Grader) -> list[str]:
+    """What the source graders of ``grader`` import (absolute imports, anywhere in their source) that this machine's
+    sandbox cannot give them: only the standard library and the offered packages are there
+    (:func:`engine.rewards.sandbox.offered_packages`: those this Python has installed). Empty: nothing."""
+    problems = []
     offered = sandbox.offered_packages().modules
-    imported: dict[str, None] = {}
-    for node in ast.walk(ast.parse(source)):  # parsed once already, by PythonGrader
-        if isinstance(node, ast.Import):
-            imported.update(dict.fromkeys(alias.name.partition(".")[0] for alias in node.names))
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            imported[node.module.partition(".")[0]] = None
-    missing = [module for module in imported if module not in sys.stdlib_module_names and module not in offered]
-    if not missing:
-        return []
-    packages = ", ".join(offered) or "none"
-    has = f"it has the standard library and these of OpenAI's grader packages: {packages}"
-    return [
-        f"grader {name!r}: its source imports {', '.join(missing)}, which a source grader cannot import here: {has}"
-    ]
+    has = f"they have the standard library and these of OpenAI's grader packages: {', '.join(offered) or 'none'}"
+    for name, sub in iter_graders(grader):
+        if not isinstance(sub, PythonGrader) or sub.source is None:
+            continue
+        imported: dict[str, None] = {}
+        for node in ast.walk(ast.parse(sub.source)):  # parsed once already, by PythonGrader
+            if isinstance(node, ast.Import):
+                imported.update(dict.fromkeys(alias.name.partition(".")[0] for alias in node.names))
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported[node.module.partition(".")[0]] = None
+        missing = [module for module in imported if module not in sys.stdlib_module_names and module not in offered]
+        if missing:
+            imports = ", ".join(missing)
+            problems.append(f"grader {name!r}: its source imports {imports}, which graders cannot import here ({has})")
+    return problems
 
 
 def _url_allowed(url: str, entry: str) -> bool:

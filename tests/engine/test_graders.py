@@ -602,7 +602,7 @@ def test_function_allow_list_walks_nested_multis() -> None:
 
 def test_a_source_grader_may_import_the_standard_library_and_the_offered_packages() -> None:
     """OpenAI's documented grader packages where they are installed (rapidfuzz, numpy: the service's own), and no
-    other one: ``graders/validate`` and a job's submit refuse what the sandbox could not import."""
+    other one: ``graders/validate`` and ``run`` refuse what the sandbox could not import."""
     source = """
 import json, os.path
 from collections import Counter
@@ -614,14 +614,14 @@ def grade(sample, item):
     from . import sibling
     return 1.0
 """
+    fine = "import numpy\nfrom rapidfuzz import fuzz\ndef grade(sample, item):\n    return 1.0\n"
     code = {"type": "python", "source": source}
-    grader = parse_grader({"type": "multi", "graders": {"code": code}, "weights": {"code": 1}})
-    assert check_allowed(grader, [], None) == [
-        "grader 'code': its source imports sqlalchemy, requests, which a source grader cannot import here: it has "
-        f"the standard library and these of OpenAI's grader packages: {', '.join(sandbox.offered_packages().modules)}"
-    ]
-    assert check_allowed(grader, [], None, source_graders=False) == [
-        "grader 'code': python source graders are switched off here (RLHF_SOURCE_GRADERS)"
+    components = {"code": code, "fine": {**code, "source": fine}}
+    grader = parse_grader({"type": "multi", "graders": components, "weights": {"code": 1}})
+    offered = ", ".join(sandbox.offered_packages().modules)
+    assert graders.import_problems(grader) == [
+        "grader 'code': its source imports sqlalchemy, requests, which graders cannot import here (they have the "
+        f"standard library and these of OpenAI's grader packages: {offered})"
     ]
 
 
