@@ -28,7 +28,8 @@ class GraderRunRequest(GraderValidateRequest):
 
 @router.post("/validate", responses=error_responses(400))
 def validate_grader(body: GraderValidateRequest, settings: SettingsDep, _project: CurrentProject) -> dict[str, Any]:
-    """The grader back when a job would accept it as its reward; a 400 naming the field otherwise."""
+    """The grader back when a job would accept it as its reward and the sandbox here offers what its source
+    graders import; a 400 naming the field otherwise."""
     grader = service.checked_grader(settings, body.grader)
     return {"grader": grader.model_dump(mode="json", exclude_none=True)}
 
@@ -50,4 +51,6 @@ async def run_grader(
     project_id = project.id
     await release_db()
     grader = await anyio.to_thread.run_sync(service.checked_grader, settings, body.grader)
-    return await service.run_within_budget(request, settings, project_id, grader, body.model_sample, body.item)
+    return await service.run_within_budget(
+        request, settings, project_id, grader, model_sample=body.model_sample, item=body.item
+    )

@@ -101,7 +101,7 @@ class RunningGraders:
 
 
 async def run_within_budget(
-    request: Request, settings: Settings, project_id: str, grader: Grader, model_sample: str, item: Any
+    request: Request, settings: Settings, project_id: str, grader: Grader, *, model_sample: str, item: Any
 ) -> dict[str, Any]:
     """:func:`run`, in a thread of its own, counted in the app's :class:`RunningGraders` (429 past
     ``settings.grader_runs_per_project``), waited for until ``settings.grader_run_seconds`` have passed (400
