@@ -1,7 +1,7 @@
 """Dependency-injection aliases for the routes: settings, a database session, the caller's project,
 and the two ways work leaves the API (enqueue a job, wait for a generation), both replaceable in tests."""
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Annotated, Any
 
 import anyio
@@ -35,7 +35,24 @@ DB_SLOTS = 20
 _db_slots: RunVar[anyio.CapacityLimiter] = RunVar("db_slots")
 
 
-async def db_slot() -> AsyncIterator[None]:
+class DbSlot:
+    """A request's hold on one of the :data:`DB_SLOTS`: freed when its session ends, or before (:data:`ReleaseDb`)."""
+
+    def __init__(self, limiter: anyio.CapacityLimiter) -> None:
+        self.limiter = limiter
+        self.held = False
+
+    async def take(self) -> None:
+        await self.limiter.acquire_on_behalf_of(self)
+        self.held = True
+
+    def free(self) -> None:
+        if self.held:
+            self.held = False
+            self.limiter.release_on_behalf_of(self)
+
+
+async def db_slot() -> AsyncIterator[DbSlot]:
     """Wait for a database slot *before* taking a connection. Without it, a burst of requests can hold
     every pooled connection while waiting for a request thread, and stall until the pool times out."""
     try:
@@ -43,11 +60,18 @@ async def db_slot() -> AsyncIterator[None]:
     except LookupError:
         limiter = anyio.CapacityLimiter(DB_SLOTS)
         _db_slots.set(limiter)
-    async with limiter:
-        yield
+    slot = DbSlot(limiter)
+    await slot.take()
+    try:
+        yield slot
+    finally:
+        slot.free()
 
 
-def get_session(settings: SettingsDep, _slot: Annotated[None, Depends(db_slot, scope="function")]) -> Iterator[Session]:
+DbSlotDep = Annotated[DbSlot, Depends(db_slot, scope="function")]
+
+
+def get_session(settings: SettingsDep, _slot: DbSlotDep) -> Iterator[Session]:
     """A session per request: committed when the route returns, rolled back when it raises."""
     with session_scope(settings.resolved_database_url) as session:
         yield session
@@ -56,6 +80,26 @@ def get_session(settings: SettingsDep, _slot: Annotated[None, Depends(db_slot, s
 # scope="function": the session ends when the route returns, before the response is sent (a stream
 # does not hold a connection, and a failed commit is still answered with an error).
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+
+
+def get_release_db(session: SessionDep, slot: DbSlotDep) -> Callable[[], Awaitable[None]]:
+    """For a route that works on after its last query (grading, waiting): ends the request's session now (committed,
+    its connection back in the pool; the objects read stay readable) and frees its database slot."""
+
+    async def release() -> None:
+        await anyio.to_thread.run_sync(_end, session)
+        slot.free()
+
+    return release
+
+
+def _end(session: Session) -> None:
+    session.commit()
+    session.close()
+
+
+ReleaseDb = Annotated[Callable[[], Awaitable[None]], Depends(get_release_db)]
+"""Call (and await) to end the request's database session and free its slot before long work."""
 
 _bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer <key>`.")
 

@@ -32,6 +32,7 @@ from api.routes import (
 )
 from api.routes import openai as openai_routes
 from api.routes.files import remove_stale_uploads
+from api.services import graders as graders_service
 from api.uploads import BodySizeLimit
 from engine.spec.config import JOB_TYPES, JobSpec
 from jobs.celery_app import celery_app, make_celery
@@ -125,6 +126,7 @@ def create_app(
     app.state.enqueue = enqueue
     app.state.generate = generate_with or celery_generate(celery, generate_timeout)
     app.state.generate_limiter = anyio.CapacityLimiter(generate_concurrency)
+    app.state.grader_runs = graders_service.RunningGraders()
     app.state.poll_interval = poll_interval
     app.state.heartbeat_interval = heartbeat_interval
     install_error_handlers(app)

@@ -32,6 +32,7 @@ import operator
 import queue
 import re
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -345,7 +346,9 @@ class PythonGrader(_GraderBase):
     source: Annotated[str, Field(min_length=1, max_length=MAX_SOURCE_CHARS)] | None = None
     """OpenAI's Python grader: source code defining ``grade(sample, item)``, ``sample`` holding ``output_text`` and
     ``output_json`` (the output parsed, when it is JSON), ``item`` the dataset row; it returns a number. It runs
-    with the standard library only, without network or files, under time and memory limits."""
+    with the standard library and those of OpenAI's grader packages the service has installed (numpy,
+    rapidfuzz...: engine/rewards/sandbox.py's ``offered_packages``), without network or files, under time and
+    memory limits."""
     function: Annotated[str, Field(max_length=300, pattern=FUNCTION_PATH)] | None = None
     """``module.path:function_name``; the operator's ``allowed_functions`` must admit it."""
     image_tag: Annotated[str, Field(max_length=200)] | None = None
@@ -360,6 +363,8 @@ class PythonGrader(_GraderBase):
             tree = ast.parse(source)
         except SyntaxError as e:
             raise ValueError(f"source does not compile: {e.msg} (line {e.lineno})") from None
+        except (MemoryError, RecursionError):  # the parser's own limits on nesting
+            raise ValueError("source does not compile: it nests too deeply") from None
         if not any(isinstance(node, ast.FunctionDef) and node.name == "grade" for node in tree.body):
             raise ValueError("source must define grade(sample, item) at its top level")
         return source
@@ -648,7 +653,9 @@ def check_allowed(
     allows any function (the local CLI), which fails only when scored if it cannot be imported. ``judges``: the
     judge names model graders may use (None: any, checked when scored); ``source_graders``: whether python graders
     may give ``source``. ``own_urls``: the service's own servers (the operator's vLLM server), never a reward
-    service whatever the allow-list says: a URL on one's host and port is refused, before anything connects."""
+    service whatever the allow-list says: a URL on one's host and port is refused, before anything connects.
+    ``source`` may import the standard library and the offered packages
+    (:func:`engine.rewards.sandbox.offered_packages`) only."""
     problems = []
     for name, sub in iter_graders(grader):
         if isinstance(sub, ScoreModelGrader | LabelModelGrader) and judges is not None and sub.model not in judges:
@@ -670,6 +677,29 @@ def check_allowed(
         ):
             allowed = ", ".join(allowed_functions) or "none"
             problems.append(f"grader {name!r}: the reward function {sub.function} is not allowed ({allowed})")
+    return problems
+
+
+def import_problems(grader: Grader) -> list[str]:
+    """What the source graders of ``grader`` import (absolute imports, anywhere in their source) that this machine's
+    sandbox cannot give them: only the standard library and the offered packages are there
+    (:func:`engine.rewards.sandbox.offered_packages`: those this Python has installed). Empty: nothing."""
+    problems = []
+    offered = sandbox.offered_packages().modules
+    has = f"they have the standard library and these of OpenAI's grader packages: {', '.join(offered) or 'none'}"
+    for name, sub in iter_graders(grader):
+        if not isinstance(sub, PythonGrader) or sub.source is None:
+            continue
+        imported: dict[str, None] = {}
+        for node in ast.walk(ast.parse(sub.source)):  # parsed once already, by PythonGrader
+            if isinstance(node, ast.Import):
+                imported.update(dict.fromkeys(alias.name.partition(".")[0] for alias in node.names))
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported[node.module.partition(".")[0]] = None
+        missing = [module for module in imported if module not in sys.stdlib_module_names and module not in offered]
+        if missing:
+            imports = ", ".join(missing)
+            problems.append(f"grader {name!r}: its source imports {imports}, which graders cannot import here ({has})")
     return problems
 
 
@@ -805,8 +835,8 @@ def score(
     sandbox_limits: sandbox.SandboxLimits | None = None,
 ) -> RewardScores:
     """Every sample's reward, and the scores of each of the reward's graders. RewardError (RewardServiceError,
-    RewardFunctionError) when one cannot be computed; RewardStopped when ``should_stop`` asks for a stop while an
-    http grader or a judge is waited for."""
+    RewardFunctionError) when one cannot be computed; RewardStopped when ``should_stop`` asks for a stop before a
+    grader, or while an http grader, a judge or a source grader's sandbox is waited for."""
     scoring = _Scoring(samples, model_scorer, should_stop, judges, sandbox_limits or sandbox.SandboxLimits(), {},
                        {}, {})  # fmt: skip
     total = _score(grader, _effective_name(grader), scoring)
@@ -835,6 +865,7 @@ def _score(grader: _AnyGrader, name: str, scoring: _Scoring) -> list[float]:
         parts = {key: _score(sub, key, scoring) for key, sub in grader.graders.items()}
         scores = _combine(grader, name, parts, len(scoring.samples))
     else:
+        _check_stop(scoring.should_stop)  # between the leaves of a multi of many
         scores = _LEAF_SCORERS[grader.type](grader, name, scoring)
     scoring.components[name] = scores
     threshold = grader.pass_threshold if isinstance(grader, TextSimilarityGrader | ScoreModelGrader) else None
@@ -899,8 +930,30 @@ def _score_text(
     return float(matches[grader.operation])
 
 
+MAX_METRIC_CHARS = 10_000
+"""A text_similarity metric compares the first 10,000 characters of each text: fuzzy_match's time grows with the
+product of the two lengths (15 s for two texts of 500,000 characters)."""
+MAX_LCS_TOKENS = 1_000
+"""``rouge_l`` compares the first 1,000 tokens of each text (as rouge-score tokenizes: runs of a-z and 0-9, once
+lowercased): its longest common subsequence fills a table of the product of the two lengths, in Python (0.5 s for
+two texts of 1,000 tokens; 36 s and 0.5 GB for 8,000)."""
+_ROUGE_TOKEN = re.compile(r"[a-z0-9]+")  # google-research/google-research rouge/tokenize.py
+
+
+def _first_tokens(text: str, limit: int) -> str:
+    """``text`` lowercased and cut after its ``limit``-th rouge-score token: rouge-score scores it as it would the
+    first ``limit`` tokens of ``text``."""
+    lowered = text.lower()
+    for count, match in enumerate(_ROUGE_TOKEN.finditer(lowered), start=1):
+        if count == limit:
+            return lowered[: match.end()]
+    return lowered
+
+
 def _similarity(metric: TextMetric, text: str, reference: str) -> float:
-    """``text``'s similarity to ``reference`` by ``metric``, in [0, 1]; the libraries load on first use."""
+    """``text``'s similarity to ``reference`` by ``metric``, in [0, 1], over the first :data:`MAX_METRIC_CHARS`
+    of each (and their first :data:`MAX_LCS_TOKENS` for ``rouge_l``); the libraries load on first use."""
+    text, reference = text[:MAX_METRIC_CHARS], reference[:MAX_METRIC_CHARS]
     if metric == "fuzzy_match":
         from rapidfuzz import fuzz
 
@@ -913,6 +966,8 @@ def _similarity(metric: TextMetric, text: str, reference: str) -> float:
         from nltk.translate.gleu_score import sentence_gleu
 
         return float(sentence_gleu([reference.split()], text.split()))
+    if metric == "rouge_l":
+        text, reference = _first_tokens(text, MAX_LCS_TOKENS), _first_tokens(reference, MAX_LCS_TOKENS)
     rouge_type = "rougeL" if metric == "rouge_l" else "rouge" + metric.removeprefix("rouge_")
     return float(_rouge_scorer(rouge_type).score(reference, text)[rouge_type].fmeasure)
 
@@ -1155,10 +1210,14 @@ def _score_source(grader: PythonGrader, name: str, scoring: _Scoring) -> list[fl
     assert grader.source is not None
     samples = scoring.samples
     calls = [(openai_sample(text), dict(row)) for text, row in zip(samples.completions, samples.rows, strict=True)]
+    stop = scoring.should_stop
+    asks = (lambda: stop() is not None) if stop else None
     try:
-        batch = sandbox.grade_source(grader.source, calls, scoring.sandbox_limits)
+        batch = sandbox.grade_source(grader.source, calls, scoring.sandbox_limits, should_stop=asks)
     except sandbox.SandboxUnavailable as e:
         raise RewardFunctionError(f"grader {name!r}: source graders cannot run here: {e}") from e
+    if batch.batch_error == sandbox.STOPPED:
+        _check_stop(stop)
     if batch.batch_error is not None:
         raise RewardFunctionError(f"grader {name!r}: {batch.batch_error}")
     failed = [error for error in batch.errors if error is not None]
@@ -1174,7 +1233,7 @@ def openai_sample(text: str) -> dict[str, Any]:
     """The ``sample`` OpenAI's graders see: ``output_text``, and ``output_json`` when the text is JSON."""
     try:
         output_json = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         output_json = None
     return {"output_text": text, "output_json": output_json, "output_tools": [], "choices": []}
 

@@ -3,22 +3,29 @@
 Such a grader is a source string defining ``def grade(sample, item) -> float``
 (https://platform.openai.com/docs/guides/graders#python-graders): ``sample`` holds ``output_text``,
 ``output_json``, ``output_tools`` and ``choices``, ``item`` is the dataset row. :func:`grade_source` runs one
-batch of calls in one fresh process (this very file, run as a script: ``python -I -S``, an empty environment,
-an empty temporary working directory, a session of its own), which isolates itself before it reads the source:
+batch of calls in one fresh process (this very file, run as a script: ``python -I -S``, the environment
+:data:`GRADER_ENVIRONMENT`, an empty temporary working directory, a session of its own), which isolates itself
+before it reads the source:
 
 1. Namespaces (unshare(2)): new mount, network, IPC and PID namespaces, and a user namespace too when the service
    does not run as root (it grants the rights to mount). The network namespace has no interface up, so no
-   connection reaches anything; in the PID namespace the grader sees and signals no other process, and whatever it
-   left running dies with it.
+   connection reaches anything; in the PID namespace the grader sees no other process but the one waiting for it
+   (which ignores its signals), and whatever it left running dies with them.
 2. Filesystem: a tmpfs root holding read-only binds of the interpreter's ``sys.path`` and of the directories of its
    loaded shared libraries, every ``site-packages`` and ``dist-packages`` in them masked by an empty tmpfs, and a
-   small writable ``/work``; pivot_root(2) into it and the old root detached. /etc, /home, /root's files, the
-   checkout, the virtualenv and the server's data are not there; no installed package can be imported.
+   small writable ``/work`` (bytes and inodes capped); pivot_root(2) into it and the old root detached. /etc,
+   /home, /root's files, the checkout, the virtualenv and the server's data are not there. Of the installed
+   packages only those OpenAI's grader runtime documents (:data:`OPENAI_PACKAGES`) can be imported, each bound
+   read-only under ``/packages`` with what it requires (:func:`offered_packages`).
 3. Privileges: as root the process becomes nobody (65534), which drops every capability and makes RLIMIT_NPROC
    apply (the kernel exempts real root from it); otherwise it clears its capabilities in its user namespace.
-4. rlimits: CPU time, address space, open files, file size, no new process or thread, no core dump.
-5. A :func:`sys.addaudithook` hook refusing process creation, signals, sockets and ctypes: a second layer over the
-   kernel's (``_posixsubprocess.fork_exec`` raises no audit event: there the rlimit alone stops it).
+4. rlimits: CPU time, address space, open files, file size, no new process or thread, no core dump. The grader is
+   the second process of its PID namespace, below a first that waits for it: the first process of a namespace
+   ignores the kernel's SIGXCPU, which tells a grader stopped at its CPU limit from one killed otherwise.
+5. A :func:`sys.addaudithook` hook refusing process creation, signals, sockets, ctypes and the garbage collector's
+   walks over every object: a second layer over the kernel's (``_posixsubprocess.fork_exec`` raises no audit
+   event: there the rlimit alone stops it). It closes over its own copy of the table, so that nothing the grader
+   can reach (this module is its ``__main__``) switches it off.
 
 The source and the calls go in on stdin as JSON; the results come back on a pipe of their own as JSON lines: first
 ``{"ready": true}`` (or why the isolation failed, before any user code ran), then the results. What the grader
@@ -34,9 +41,11 @@ import contextlib
 import ctypes
 import functools
 import glob
+import importlib.util
 import json
 import math
 import os
+import re
 import resource
 import selectors
 import signal
@@ -45,8 +54,9 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from typing import Any
 
 NOBODY = 65534
@@ -73,8 +83,43 @@ REFUSED_EVENTS = (
     "subprocess.",
     "socket.",
     "ctypes.",
+    "gc.",
 )
-"""Audit events (https://docs.python.org/3/library/audit_events.html) the grader's hook refuses, by prefix."""
+"""Audit events (https://docs.python.org/3/library/audit_events.html) the grader's hook refuses, by prefix (``gc.``:
+``gc.get_objects``, ``get_referrers`` and ``get_referents``, which would find the hook itself). The hook takes a
+copy when it is installed: changing this table in the sandbox changes nothing."""
+GRADER_ENVIRONMENT = {"HOME": "/work", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+"""The sandbox's whole environment: a home (nltk wants one as it loads), and one thread for numerical libraries:
+no thread may start there (RLIMIT_NPROC), and numpy's OpenBLAS, told of no count, starts one per CPU as it loads
+(and stops the process when it cannot)."""
+CPU_GRACE_S = 1
+"""Seconds of CPU past :attr:`SandboxLimits.cpu_s` (the soft limit, SIGXCPU) to the hard limit (SIGKILL), for a
+grader that ignores SIGXCPU."""
+PACKAGES_DIR = "/packages"
+"""Where the sandbox binds the offered packages (:func:`offered_packages`), read-only, last on ``sys.path``."""
+STOPPED = "stopped: the grading was abandoned"
+"""The batch error of a batch whose ``should_stop`` asked for a stop."""
+OPENAI_PACKAGES = (
+    ("numpy", "numpy"),
+    ("scipy", "scipy"),
+    ("sympy", "sympy"),
+    ("pandas", "pandas"),
+    ("rapidfuzz", "rapidfuzz"),
+    ("sklearn", "scikit-learn"),
+    ("rouge_score", "rouge-score"),
+    ("deepdiff", "deepdiff"),
+    ("jsonschema", "jsonschema"),
+    ("pydantic", "pydantic"),
+    ("yaml", "PyYAML"),
+    ("nltk", "nltk"),
+    ("sqlparse", "sqlparse"),
+    ("rdkit", "rdkit"),
+    ("skbio", "scikit-bio"),
+    ("ast_grep_py", "ast-grep-py"),
+)
+"""(import name, distribution) of the third-party packages OpenAI's python grader runtime documents beside the
+standard library (https://platform.openai.com/docs/guides/graders#python-graders): a grader here may import those
+installed for the service's Python (:func:`offered_packages`)."""
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
@@ -101,6 +146,9 @@ class SandboxLimits:
     """Most bytes read back from the process, its prints and its results together; more fails the batch."""
     file_bytes: int = 1 << 20
     """Largest file the grader may write (RLIMIT_FSIZE); its writable /work holds 4 times that in all."""
+    work_files: int = 1000
+    """Files and folders the grader may make in its /work (the tmpfs's ``nr_inodes``): an empty file holds no byte
+    that ``file_bytes`` counts, but its inode costs the kernel memory."""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -118,7 +166,7 @@ class GradeBatch:
     ``"grade returned a str, not a number"``)."""
     batch_error: str | None
     """Why the whole batch failed (a limit, a source that does not compile or defines no ``grade``, the process
-    died), or None; when set, every score is None."""
+    died, :data:`STOPPED`), or None; when set, every score is None."""
     seconds: float
     """Wall-clock seconds the batch took."""
 
@@ -135,14 +183,83 @@ def sandbox_problem() -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class OfferedPackages:
+    """The packages of :data:`OPENAI_PACKAGES` a grader may import here."""
+
+    modules: tuple[str, ...]
+    """Their import names, e.g. ``("numpy", "rapidfuzz")``."""
+    paths: tuple[str, ...]
+    """The files and folders they import from (theirs and those of the distributions they require, recursively,
+    with their metadata), bound read-only under :data:`PACKAGES_DIR`."""
+
+
+@functools.cache
+def offered_packages() -> OfferedPackages:
+    """Those of :data:`OPENAI_PACKAGES` installed for this Python (importable, listed by their distribution's
+    RECORD, readable), found once."""
+    modules: list[str] = []
+    paths: dict[str, str] = {}  # by the name it is bound under
+    for module, distribution in OPENAI_PACKAGES:
+        needed = _distribution_paths(distribution)
+        if needed is None or importlib.util.find_spec(module) is None:
+            continue
+        if any(paths.get(os.path.basename(path), path) != path for path in needed):  # two folders of one name
+            continue
+        modules.append(module)
+        paths.update((os.path.basename(path), path) for path in needed)
+    return OfferedPackages(tuple(modules), tuple(sorted(paths.values())))
+
+
+def _distribution_paths(name: str) -> list[str] | None:
+    """The top-level files and folders of distribution ``name`` and of those it requires (their extras left out),
+    or None when one of them is not installed as a readable RECORD lists it."""
+    found: dict[str, str] = {}
+    wanted, seen = [name], set()
+    while wanted:
+        current = wanted.pop()
+        key = re.sub(r"[-_.]+", "-", current).lower()  # the normalised name (PEP 503)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            distribution = metadata.distribution(current)
+        except metadata.PackageNotFoundError:
+            if current == name:
+                return None
+            continue  # a requirement for another platform or Python (its marker unread), or an optional one
+        for file in distribution.files or []:
+            top = file.parts[0]
+            if top in ("..", "__pycache__") or top.endswith(".pth"):
+                continue
+            path = os.path.realpath(str(distribution.locate_file(top)))
+            if not os.access(path, os.R_OK):
+                return None
+            found[top] = path
+        for requirement in distribution.requires or []:
+            named, _, marker = requirement.partition(";")
+            match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", named)
+            if match and "extra" not in marker:
+                wanted.append(match.group(1))
+    return list(found.values()) if found else None
+
+
 def grade_source(
-    source: str, calls: Sequence[tuple[dict[str, Any], dict[str, Any]]], limits: SandboxLimits = SandboxLimits()
+    source: str,
+    calls: Sequence[tuple[dict[str, Any], dict[str, Any]]],
+    limits: SandboxLimits = SandboxLimits(),
+    should_stop: Callable[[], bool] | None = None,
 ) -> GradeBatch:
-    """``grade(sample, item)`` of ``source`` for each of ``calls``, in one isolated process.
+    """``grade(sample, item)`` of ``source`` for each of ``calls``, in one isolated process; killed as soon as
+    ``should_stop`` (asked every :data:`STOP_POLL_S`) says so, the batch failing with :data:`STOPPED`.
 
     Raises :class:`SandboxUnavailable` when the isolation cannot be set up (no user code ran then).
     """
-    return _grade(source, calls, limits)
+    return _grade(source, calls, limits, should_stop=should_stop)
+
+
+STOP_POLL_S = 0.25
+"""How often a batch asks its ``should_stop`` whether to stop."""
 
 
 def _grade(
@@ -150,6 +267,7 @@ def _grade(
     calls: Sequence[tuple[dict[str, Any], dict[str, Any]]],
     limits: SandboxLimits,
     *,
+    should_stop: Callable[[], bool] | None = None,
     audit_hook: bool = True,
     user_namespace: bool | None = None,
 ) -> GradeBatch:
@@ -164,8 +282,12 @@ def _grade(
         "limits": asdict(limits),
         "audit_hook": audit_hook,
         "user_namespace": os.geteuid() != 0 if user_namespace is None else user_namespace,
+        "packages": list(offered_packages().paths),
     }
-    message = json.dumps(payload).encode()
+    try:
+        message = json.dumps(payload).encode()
+    except RecursionError:
+        return GradeBatch([None] * len(calls), [None] * len(calls), "an item is nested too deeply to send", 0.0)
     results_read, results_write = os.pipe()
     try:
         with tempfile.TemporaryDirectory(prefix="grader-") as root:
@@ -175,14 +297,14 @@ def _grade(
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
-                    env={},
+                    env=dict(GRADER_ENVIRONMENT),
                     cwd=root,
                     start_new_session=True,
                     pass_fds=(results_write,),
                 )
             finally:
                 os.close(results_write)
-            outcome = _communicate(process, results_read, message, limits)
+            outcome = _communicate(process, results_read, message, limits, should_stop)
     finally:
         os.close(results_read)
     return _batch(outcome, len(calls), limits, time.monotonic() - started)
@@ -201,8 +323,15 @@ class _Outcome:
     """The limit the parent killed it for (wall clock, output), or None."""
 
 
-def _communicate(process: subprocess.Popen[bytes], results_fd: int, payload: bytes, limits: SandboxLimits) -> _Outcome:
-    """Send ``payload``, read the results pipe and stdout up to the limits, kill the process group at one."""
+def _communicate(
+    process: subprocess.Popen[bytes],
+    results_fd: int,
+    payload: bytes,
+    limits: SandboxLimits,
+    should_stop: Callable[[], bool] | None,
+) -> _Outcome:
+    """Send ``payload``, read the results pipe and stdout up to the limits, kill the process group at one (or when
+    ``should_stop`` says so)."""
     assert process.stdin is not None and process.stdout is not None
     deadline = time.monotonic() + limits.wall_s
     try:
@@ -212,7 +341,7 @@ def _communicate(process: subprocess.Popen[bytes], results_fd: int, payload: byt
         pass  # it died before reading: its exit status says why
     stdout_fd = process.stdout.fileno()
     received = {stdout_fd: bytearray(), results_fd: bytearray()}
-    killed_for = _read_until_closed(received, deadline, limits)
+    killed_for = _read_until_closed(received, deadline, limits, should_stop)
     if killed_for is None:
         try:
             process.wait(max(deadline - time.monotonic(), 0))
@@ -227,8 +356,11 @@ def _communicate(process: subprocess.Popen[bytes], results_fd: int, payload: byt
     return _Outcome(bytes(received[results_fd]), output[-OUTPUT_TAIL_BYTES:], process.returncode, killed_for)
 
 
-def _read_until_closed(received: dict[int, bytearray], deadline: float, limits: SandboxLimits) -> str | None:
-    """Read the pipes of ``received`` into it until all are closed; None, or the limit that stopped the reading."""
+def _read_until_closed(
+    received: dict[int, bytearray], deadline: float, limits: SandboxLimits, should_stop: Callable[[], bool] | None
+) -> str | None:
+    """Read the pipes of ``received`` into it until all are closed; None, or the limit that stopped the reading
+    (:data:`STOPPED` when ``should_stop`` asked)."""
     total = 0
     with selectors.DefaultSelector() as selector:
         for fd in received:
@@ -237,7 +369,10 @@ def _read_until_closed(received: dict[int, bytearray], deadline: float, limits: 
             timeout = deadline - time.monotonic()
             if timeout <= 0:
                 return f"wall-clock timeout of {limits.wall_s:g} s"
-            for key, _ in selector.select(timeout):
+            if should_stop is not None and should_stop():
+                return STOPPED
+            poll = timeout if should_stop is None else min(timeout, STOP_POLL_S)
+            for key, _ in selector.select(poll):
                 chunk = os.read(key.fd, 1 << 16)
                 total += len(chunk)
                 received[key.fd] += chunk
@@ -251,6 +386,8 @@ def _read_until_closed(received: dict[int, bytearray], deadline: float, limits: 
 def _batch(outcome: _Outcome, n_calls: int, limits: SandboxLimits, seconds: float) -> GradeBatch:
     """The :class:`GradeBatch` of a finished sandbox process; raises :class:`SandboxUnavailable` when it never
     got as far as isolating itself."""
+    if outcome.killed_for == STOPPED:  # perhaps before it was ready: whether it could isolate is unknown
+        return GradeBatch([None] * n_calls, [None] * n_calls, STOPPED, seconds)
     lines = outcome.results.split(b"\n")
     first = _json_or_none(lines[0])
     if not (isinstance(first, dict) and first.get("ready") is True):
@@ -278,7 +415,7 @@ def _batch(outcome: _Outcome, n_calls: int, limits: SandboxLimits, seconds: floa
 def _json_or_none(line: bytes) -> Any:
     try:
         return json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON; nested past the parser's depth (the grader may write here)
         return None
 
 
@@ -312,17 +449,21 @@ def _child_main() -> None:
     payload = json.loads(sys.stdin.buffer.read())
     results_fd, user_namespace = int(sys.argv[1]), payload["user_namespace"]
     limits = SandboxLimits(**payload["limits"])
+    packages = payload["packages"]
     try:
         _enter_namespaces(user_namespace)
-        _fork_pid_one(results_fd, limits.cpu_s)
-        _build_root(limits.file_bytes, owner=(os.getuid(), os.getgid()) if user_namespace else (NOBODY, NOBODY))
+        _fork_grader(results_fd, limits.cpu_s)
+        owner = (os.getuid(), os.getgid()) if user_namespace else (NOBODY, NOBODY)
+        _build_root(limits, owner=owner, packages=packages)
         _drop_privileges(user_namespace)
         _set_limits(limits)
     except OSError as exc:
         _send(results_fd, {"unavailable": f"cannot isolate the grader: {exc}"})
         os._exit(0)
+    if packages:
+        sys.path.append(PACKAGES_DIR)  # last: no package shadows the standard library
     if payload["audit_hook"]:
-        sys.addaudithook(_refuse)
+        _install_audit_hook(REFUSED_EVENTS)
     _send(results_fd, {"ready": True})
     try:
         result = _run_grader(payload["source"], payload["calls"])
@@ -355,19 +496,33 @@ def _enter_namespaces(user_namespace: bool) -> None:
     _libc("prctl", PR_SET_PDEATHSIG, signal.SIGKILL)  # after unshare: a change of credentials clears it
 
 
-def _fork_pid_one(results_fd: int, cpu_s: int) -> None:
-    """Fork the PID namespace's first process, which returns and grades; this one waits for it and exits as it
-    did: with its status, 128 + the signal that killed it, or :data:`EXIT_CPU` when that was the CPU limit."""
-    pid = os.fork()
-    if pid == 0:
-        return
+def _fork_grader(results_fd: int, cpu_s: int) -> None:
+    """Fork the PID namespace's first process, which forks the grader: that one returns and grades. Each of the
+    two above it waits for the one it forked and exits as it did: with its status, 128 + the signal that killed it,
+    or :data:`EXIT_CPU` when that was the CPU limit. The grader is not the namespace's first process, which the
+    kernel spares every signal it has no handler for: the SIGXCPU of the soft CPU limit among them."""
+    for _ in ("the namespace's first process", "the grader"):
+        pid = os.fork()
+        if pid != 0:
+            _exit_as(pid, results_fd, cpu_s)
+
+
+def _exit_as(pid: int, results_fd: int, cpu_s: int) -> None:
+    """Wait for process ``pid`` and exit as it did (:func:`_fork_grader`)."""
     os.close(0)
     os.close(results_fd)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python's handler would let the grader signal this one
     _, status, usage = os.wait4(pid, 0)
     if not os.WIFSIGNALED(status):
         os._exit(os.waitstatus_to_exitcode(status))
-    at_cpu_limit = usage.ru_utime + usage.ru_stime >= cpu_s - 0.05
-    os._exit(EXIT_CPU if os.WTERMSIG(status) == signal.SIGKILL and at_cpu_limit else 128 + os.WTERMSIG(status))
+    killed_by = os.WTERMSIG(status)
+    # SIGXCPU at the soft limit; SIGKILL at the hard one (CPU_GRACE_S later) for a grader that ignores SIGXCPU.
+    # The CPU time wait4 reports may fall short of the kernel's own count (by a third under load): it only tells
+    # a hard-limit SIGKILL from another one.
+    at_cpu_limit = killed_by == signal.SIGXCPU or (
+        killed_by == signal.SIGKILL and usage.ru_utime + usage.ru_stime >= cpu_s
+    )
+    os._exit(EXIT_CPU if at_cpu_limit else 128 + killed_by)
 
 
 def _host_dirs() -> list[str]:
@@ -380,28 +535,38 @@ def _host_dirs() -> list[str]:
     return [d for d in dirs if not any(d.startswith(other + "/") for other in dirs)]
 
 
-def _build_root(file_bytes: int, owner: tuple[int, int]) -> None:
-    """2. Mount the new root on the working directory (the parent's empty temporary one), pivot into it, detach
-    the old one, and go to the writable /work (``owner``'s)."""
+def _build_root(limits: SandboxLimits, owner: tuple[int, int], packages: Sequence[str]) -> None:
+    """2. Mount the new root on the working directory (the parent's empty temporary one), with the offered
+    ``packages`` (files and folders) under :data:`PACKAGES_DIR`, pivot into it, detach the old one, and go to the
+    writable /work (``owner``'s). Every tmpfs caps its inodes (``nr_inodes``, its root folder one of them) as well
+    as its bytes."""
     root = os.getcwd()
     os.umask(0o022)  # the service's may be 077 (Settings.prepare_data_dir): the folders made here must be searchable
     host_dirs = _host_dirs()
-    packages = [p for d in host_dirs for p in glob.glob(f"{d}/*-packages") + glob.glob(f"{d}/python3*/*-packages")]
+    masked = [p for d in host_dirs for p in glob.glob(f"{d}/*-packages") + glob.glob(f"{d}/python3*/*-packages")]
     _libc("mount", None, "/", None, MS_REC | MS_PRIVATE, None)
-    _libc("mount", "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=755,size=1m")
+    _libc("mount", "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=755,size=1m,nr_inodes=4096")
     for path in host_dirs:
         os.makedirs(root + path)
-        _libc("mount", path, root + path, None, MS_BIND, None)
-        # a remount in a user namespace must keep the flags it inherited (nosuid, noatime...): statvfs gives them
-        kept = os.statvfs(root + path).f_flag
-        _libc("mount", None, root + path, None, kept | MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+        _bind_read_only(path, root + path)
+    for path in masked:
+        flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+        _libc("mount", "tmpfs", root + path, "tmpfs", flags, "size=4k,nr_inodes=1")
+    if packages:
+        os.mkdir(root + PACKAGES_DIR)
     for path in packages:
-        _libc("mount", "tmpfs", root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k")
+        target = f"{root}{PACKAGES_DIR}/{os.path.basename(path)}"
+        if os.path.isdir(path):
+            os.mkdir(target)
+        else:
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))  # a file is bound on a file
+        _bind_read_only(path, target)
     for link in ("/lib", "/lib64", "/lib32"):  # the loader's default paths, when the host makes them links
         if os.path.islink(link):
             os.symlink(os.readlink(link), root + link)
     os.mkdir(root + "/work")
-    _libc("mount", "tmpfs", root + "/work", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={4 * file_bytes}")
+    work = f"size={4 * limits.file_bytes},nr_inodes={limits.work_files + 1}"
+    _libc("mount", "tmpfs", root + "/work", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, work)
     os.chown(root + "/work", *owner)
     os.chmod(root + "/work", 0o700)
     _libc("mount", None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
@@ -409,6 +574,14 @@ def _build_root(file_bytes: int, owner: tuple[int, int]) -> None:
     _libc("pivot_root", ".", ".")  # pivot_root(2): the old root now lies over the new one, until detached
     _libc("umount2", ".", MNT_DETACH)
     os.chdir("/work")
+
+
+def _bind_read_only(path: str, target: str) -> None:
+    """Bind ``path`` (a folder or a file) on ``target``, read-only, without setuid or devices."""
+    _libc("mount", path, target, None, MS_BIND, None)
+    # a remount in a user namespace must keep the flags it inherited (nosuid, noatime...): statvfs gives them
+    kept = os.statvfs(target).f_flag
+    _libc("mount", None, target, None, kept | MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
 
 
 class _CapHeader(ctypes.Structure):
@@ -432,27 +605,38 @@ def _drop_privileges(user_namespace: bool) -> None:
 
 
 def _set_limits(limits: SandboxLimits) -> None:
-    """4. The rlimits, soft and hard (never above the hard limit we were given). At the CPU limit the kernel
-    sends SIGKILL; a file over ``file_bytes`` fails its write (EFBIG) rather than killing the process."""
+    """4. The rlimits (never above the hard limits we were given), soft and hard alike but the CPU's: at its soft
+    limit the kernel sends SIGXCPU, which ends the grader (:func:`_fork_grader`), and SIGKILL at its hard limit,
+    :data:`CPU_GRACE_S` later. A file over ``file_bytes`` fails its write (EFBIG) rather than killing the
+    process."""
     wanted = {
-        resource.RLIMIT_CPU: limits.cpu_s,
-        resource.RLIMIT_AS: limits.memory_bytes,
-        resource.RLIMIT_NOFILE: limits.open_files,
-        resource.RLIMIT_FSIZE: limits.file_bytes,
-        resource.RLIMIT_NPROC: 0,
-        resource.RLIMIT_CORE: 0,
+        resource.RLIMIT_CPU: (limits.cpu_s, limits.cpu_s + CPU_GRACE_S),
+        resource.RLIMIT_AS: (limits.memory_bytes, limits.memory_bytes),
+        resource.RLIMIT_NOFILE: (limits.open_files, limits.open_files),
+        resource.RLIMIT_FSIZE: (limits.file_bytes, limits.file_bytes),
+        resource.RLIMIT_NPROC: (0, 0),
+        resource.RLIMIT_CORE: (0, 0),
     }
-    for which, value in wanted.items():
-        hard = resource.getrlimit(which)[1]
-        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-        resource.setrlimit(which, (value, value))
+    for which, (soft, hard) in wanted.items():
+        given = resource.getrlimit(which)[1]
+        if given != resource.RLIM_INFINITY:
+            soft, hard = min(soft, given), min(hard, given)
+        resource.setrlimit(which, (soft, hard))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    signal.signal(signal.SIGXCPU, signal.SIG_DFL)
 
 
-def _refuse(event: str, args: tuple[Any, ...]) -> None:
-    """5. The audit hook: process creation, signals, sockets and ctypes raise PermissionError."""
-    if event.startswith(REFUSED_EVENTS):
-        raise PermissionError(f"{event} is not allowed in a grader")
+def _install_audit_hook(refused_events: Sequence[str]) -> None:
+    """5. The audit hook: process creation, signals, sockets, ctypes and gc's object walks raise PermissionError.
+    The hook closes over its own tuple of the events and over the exception it raises; nothing else refers to it,
+    and the interpreter offers no way to remove it."""
+    refused, error = tuple(refused_events), PermissionError
+
+    def refuse(event: str, _args: tuple[Any, ...]) -> None:
+        if event.startswith(refused):
+            raise error(f"{event} is not allowed in a grader")
+
+    sys.addaudithook(refuse)
 
 
 def _send(fd: int, message: dict[str, Any]) -> None:

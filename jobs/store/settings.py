@@ -90,6 +90,14 @@ class Settings(BaseSettings):
     """Whether ``python`` graders may give ``source`` (OpenAI's ``grade(sample, item)``), run in a sandbox: a process
     per batch without network or files, under CPU, memory and time limits. Off (``RLHF_SOURCE_GRADERS=false``):
     refused at submit."""
+    grader_run_seconds: float = Field(default=60, gt=0, le=3600)
+    """The wall-clock budget of one ``graders/run`` request, all its graders together: past it the request is
+    answered 400 (``grader_run_timeout``) and its grading stops (a source grader's sandbox killed, a judge or a
+    reward service no longer waited for). Grading stops as well when the client leaves."""
+    grader_runs_per_project: int = Field(default=4, ge=1)
+    """The ``graders/run`` requests one project may have grading at once: one more is refused (429,
+    ``too_many_grader_runs``). A request stopped by its budget or by its client's leaving counts until its grading
+    has stopped."""
     tracking: Annotated[list[TrackingBackend], NoDecode] = []
     """Experiment trackers every job's metrics go to, as if each spec switched them on (``tracking``), e.g.
     ``["tensorboard", "mlflow"]``: ``tensorboard``, ``mlflow``, ``wandb``. The workers need the ``tracking`` extra

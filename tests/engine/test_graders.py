@@ -4,6 +4,7 @@ interpreter, the operator allow-lists, and the http grader against a real reward
 import http.server
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine.callbacks import StopRequest
-from engine.rewards import graders
+from engine.rewards import graders, sandbox
 from engine.rewards.graders import (
     ModelGrader,
     RewardError,
@@ -140,6 +141,40 @@ def test_text_similarity_matches_the_library(metric: str) -> None:
     expected = library_score(metric, output, reference)
     assert 0 < expected < 1  # a partial match
     assert similarity(metric, output, reference) == pytest.approx(expected)
+
+
+def item_similarity(metric: str, output: str, reference: str) -> float:
+    """``similarity`` with the reference in the dataset row (a template holds at most 10,000 characters)."""
+    spec = {
+        "type": "text_similarity",
+        "input": OUTPUT,
+        "reference": "{{ item.reference }}",
+        "evaluation_metric": metric,
+    }
+    return grade(spec, [output], [{"prompt": "q", "reference": reference}]).total[0]
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_a_text_metric_compares_a_bounded_start_of_each_text(metric: str) -> None:
+    """Texts alike over their first 10,000 characters (and 1,000 tokens), unlike past them, score as alike: what a
+    metric compares is bounded (rouge_l's table grows with the product of the lengths, fuzzy_match's time too), in
+    jobs and in graders/run alike."""
+    alike = " ".join(f"word{i}" for i in range(3000))  # 26,889 characters, 3,000 tokens
+    output, reference = alike + " alpha" * 3000, alike + " beta" * 3000
+    assert len(alike) > graders.MAX_METRIC_CHARS and graders.MAX_METRIC_CHARS // 9 > graders.MAX_LCS_TOKENS
+
+    assert item_similarity(metric, output, reference) == pytest.approx(1.0)
+
+
+def test_rouge_l_scores_the_first_tokens_as_the_library_does() -> None:
+    words = ["cat", "hat", "mice", "3", "the", "a"]
+    output = [words[(i * 7) % 6] for i in range(2500)]
+    reference = [words[(i * i) % 6] for i in range(2500)]
+    expected = library_score("rouge_l", " ".join(output[:1000]), " ".join(reference[:1000]))
+    assert 0 < expected < 1
+
+    assert item_similarity("rouge_l", " ".join(output), " ".join(reference)) == pytest.approx(expected)
+    assert graders._first_tokens("The CAT, -- a hat! 3 mice", 3) == "the cat, -- a"  # its tokens as rouge-score's
 
 
 def test_pass_threshold_reports_a_pass_rate() -> None:
@@ -381,6 +416,19 @@ def test_specs_refuse_bad_fields() -> None:
             parse_grader(spec)
 
 
+def test_a_source_nested_too_deeply_is_refused_naming_it() -> None:
+    for source in ["x = " + "lambda: " * 3000 + "1\n", "x = " + "(" * 3000 + ")" * 3000 + "\n"]:
+        with pytest.raises(ValidationError) as refused:
+            parse_grader({"type": "python", "source": source + "def grade(sample, item):\n    return 1.0\n"})
+        assert refused.value.errors()[0]["loc"] == ("python", "source"), refused.value
+        assert "source does not compile: " in str(refused.value)  # it nests too deeply; too many parentheses
+
+
+def test_a_sample_nested_too_deeply_is_text_not_json() -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    assert graders.openai_sample(deep) == {"output_text": deep, "output_json": None, "output_tools": [], "choices": []}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Metrics
 
@@ -549,6 +597,31 @@ def test_function_allow_list_walks_nested_multis() -> None:
     assert check_allowed(grader, ["loopback"], ["mypkg:other"]) == [
         "grader 'fn': the reward function tests.engine.test_graders:record is not allowed (mypkg:other)",
         "grader 'svc': the reward service https://evil.example/score is not allowed (loopback)",  # no query
+    ]
+
+
+def test_a_source_grader_may_import_the_standard_library_and_the_offered_packages() -> None:
+    """OpenAI's documented grader packages where they are installed (rapidfuzz, numpy: the service's own), and no
+    other one: ``graders/validate`` and ``run`` refuse what the sandbox could not import."""
+    source = """
+import json, os.path
+from collections import Counter
+from rapidfuzz import fuzz
+import numpy as np
+def grade(sample, item):
+    import sqlalchemy.orm
+    from requests import get
+    from . import sibling
+    return 1.0
+"""
+    fine = "import numpy\nfrom rapidfuzz import fuzz\ndef grade(sample, item):\n    return 1.0\n"
+    code = {"type": "python", "source": source}
+    components = {"code": code, "fine": {**code, "source": fine}}
+    grader = parse_grader({"type": "multi", "graders": components, "weights": {"code": 1}})
+    offered = ", ".join(sandbox.offered_packages().modules)
+    assert graders.import_problems(grader) == [
+        "grader 'code': its source imports sqlalchemy, requests, which graders cannot import here (they have the "
+        f"standard library and these of OpenAI's grader packages: {offered})"
     ]
 
 
@@ -809,6 +882,24 @@ def test_a_stop_reaches_an_http_grader_waiting_for_its_answer(server: RewardServ
         score(grader, make_samples(["x"]), should_stop=Asks(None, None, "pause"))
     assert stopped.value.request == "pause"
     assert len(server.requests) == 1
+
+
+def test_a_stop_reaches_a_source_grader_and_between_graders() -> None:
+    problem = sandbox.sandbox_problem()
+    if problem is not None and os.environ.get("CI") != "true":
+        pytest.skip(problem)
+    sleeping = {"type": "python", "source": "import time\ndef grade(sample, item):\n    time.sleep(60)\n"}
+    grader = parse_grader(sleeping)
+    limits = sandbox.SandboxLimits(wall_s=30)
+    with pytest.raises(RewardStopped) as stopped:  # not the wall clock's batch error, 30 s later
+        score(grader, make_samples(["x"]), should_stop=Asks(None, None, "cancel"), sandbox_limits=limits)
+    assert stopped.value.request == "cancel"
+    many = {f"g{i}": {"type": "string_check", "input": OUTPUT, "reference": "x", "operation": "eq"} for i in range(9)}
+    asks = Asks(None, None, None, "pause")
+    with pytest.raises(RewardStopped):
+        multi = parse_grader({"type": "multi", "graders": many, "calculate_output": "g0"})
+        score(multi, make_samples(["x"]), should_stop=asks)
+    assert asks.calls == 4  # one before each grader, until the fourth
 
 
 def test_the_worst_case_of_a_rewards_services_is_bounded() -> None:

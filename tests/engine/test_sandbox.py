@@ -1,7 +1,9 @@
 """engine/rewards/sandbox.py: python graders scored in the sandbox as in-process, their faults reported per call or
 per batch, and each escape (network, host files, processes, signals, memory, CPU, output, the server's packages, its
-environment, big files, forged results) ending as an error with the test process unharmed. The escapes run twice:
-with every layer, and with the kernel's alone (no audit hook)."""
+environment, big files, many files, forged results) ending as an error with the test process unharmed. The escapes
+run twice: with every layer, and with the kernel's alone (no audit hook); the main ones again as a non-root service
+runs them (as nobody, through a user namespace). The audit hook holds against the grader's attempts to switch it
+off, in each mode; OpenAI's documented packages import, read-only."""
 
 import importlib.util
 import json
@@ -14,13 +16,22 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine.rewards import sandbox
-from engine.rewards.sandbox import NOBODY, GradeBatch, SandboxLimits, grade_source, sandbox_problem
+from engine.rewards.sandbox import (
+    GRADER_ENVIRONMENT,
+    NOBODY,
+    GradeBatch,
+    SandboxLimits,
+    grade_source,
+    offered_packages,
+    sandbox_problem,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMITS = SandboxLimits(wall_s=5, cpu_s=2, memory_bytes=256 * 2**20, output_bytes=2**20, file_bytes=2**20)
@@ -37,6 +48,11 @@ def sandbox_available() -> None:
         pytest.fail(f"the grader sandbox must work on CI: {problem}")
     if problem is not None:
         pytest.skip(problem)
+
+
+AS_NOBODY = "as nobody"
+"""The mode of a service running as a user other than root: the sandbox isolates through a user namespace."""
+CAN_BE_NOBODY = os.geteuid() == 0 and bool(shutil.which("unshare") and shutil.which("setpriv"))
 
 
 @pytest.fixture(params=["all layers", "kernel only"])
@@ -61,6 +77,54 @@ def run(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
     while processes_in(sessions) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert processes_in(sessions) == set()
+
+
+@pytest.fixture(scope="module")
+def sandbox_copy() -> Iterator[Path]:
+    """A folder anyone can read holding a copy of the sandbox module (stdlib only, importable alone)."""
+    with tempfile.TemporaryDirectory() as copy:
+        os.chmod(copy, 0o755)
+        shutil.copy(sandbox.__file__, Path(copy) / "sandbox.py")
+        yield Path(copy)
+
+
+AS_NOBODY_SCRIPT = """
+import json, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+import sandbox
+pids = []
+
+class RecordedPopen(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        pids.append(self.pid)
+
+sandbox.subprocess.Popen = RecordedPopen
+source, calls, limits, options = json.load(sys.stdin)
+try:
+    batch = sandbox._grade(source, calls, sandbox.SandboxLimits(**limits), **options).__dict__
+except sandbox.SandboxUnavailable as exc:
+    batch = {"unavailable": str(exc)}
+print(json.dumps({"batch": batch, "pids": pids}))
+"""
+
+
+def grade_as_nobody(
+    copy: Path, source: str, calls: Calls, limits: SandboxLimits, **options: Any
+) -> tuple[GradeBatch, list[int]]:
+    """``sandbox._grade(..., **options)`` in a process of nobody's (the sandbox module's copy in ``copy``), and the
+    pids of the sandboxes it started."""
+    python = os.path.realpath(sys.executable)
+    as_nobody = f'setpriv --reuid {NOBODY} --regid {NOBODY} --clear-groups {python} -I -c "$0" {copy}'
+    command = f"set -e; {reachable_by_nobody(python)}exec {as_nobody}"
+    given = json.dumps([source, calls, asdict(limits), options])
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", command, AS_NOBODY_SCRIPT], input=given, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    ran = json.loads(result.stdout)
+    assert "unavailable" not in ran["batch"], ran["batch"]
+    return GradeBatch(**ran["batch"]), ran["pids"]
 
 
 def processes_in(sessions: set[int]) -> set[int]:
@@ -262,10 +326,27 @@ def test_memory_limit(run: Run, body: str) -> None:
     assert batch.scores == [None, None]
 
 
-def test_cpu_limit(run: Run) -> None:
-    limits = SandboxLimits(wall_s=15, cpu_s=1)  # a wall clock far enough for a loaded machine to spend 1 CPU second
+@pytest.fixture
+def busy_cpu() -> Iterator[None]:
+    """This process, and those it starts, on one CPU shared with a busy loop: a loaded machine, where the CPU time
+    the kernel reports of a process killed at its limit often falls short of the limit (by up to 30 %)."""
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        loop.kill()
+        loop.wait()
+        os.sched_setaffinity(0, cpus)
 
-    batch = run("def grade(sample, item):\n    while True:\n        pass\n", one_per("n", 1), limits)
+
+def test_cpu_limit(busy_cpu: None) -> None:
+    """Reported as the CPU limit on a loaded machine too (the kernel's SIGXCPU says it, whatever CPU time is
+    counted), in every mode alike (the same rlimit)."""
+    limits = SandboxLimits(wall_s=30, cpu_s=1)  # a wall clock far enough for a loaded machine to spend 1 CPU second
+
+    batch = grade_source("def grade(sample, item):\n    while True:\n        pass\n", one_per("n", 1), limits)
 
     assert batch.batch_error == "CPU time limit of 1 s"
     assert batch.seconds < limits.wall_s
@@ -312,6 +393,7 @@ def grade(sample, item):
         ({}, {"path": jobs_parent, "module": "engine.rewards.graders"}),
         ({}, {"path": site_packages, "module": "sqlalchemy"}),
         ({}, {"path": base_site_packages, "module": "pip"}),
+        ({}, {"path": "", "module": "httpx"}),  # installed, but not one of OpenAI's grader packages
     ]
 
     batch = run(source, calls)
@@ -326,8 +408,9 @@ def test_the_environment_does_not_leak(monkeypatch: pytest.MonkeyPatch) -> None:
 
     batch = grade_source(source, one_per("n", 1), LIMITS)
 
-    # an empty environment; Python sets LC_CTYPE itself in the C locale (PEP 538)
-    assert batch.errors in (["ValueError: {} (line 3)"], ["ValueError: {'LC_CTYPE': 'C.UTF-8'} (line 3)"])
+    # the sandbox's own environment alone; Python sets LC_CTYPE itself in the C locale (PEP 538)
+    expected = [GRADER_ENVIRONMENT, {**GRADER_ENVIRONMENT, "LC_CTYPE": "C.UTF-8"}]
+    assert batch.errors in ([f"ValueError: {environment} (line 3)"] for environment in expected)
     assert SECRET not in repr(batch)
 
 
@@ -342,6 +425,22 @@ def grade(sample, item):
 
     assert batch.scores == [1.0, None]
     assert batch.errors[1] is not None and "File too large" in batch.errors[1]
+
+
+def test_files_are_counted_not_only_their_bytes(run: Run) -> None:
+    source = """
+def grade(sample, item):
+    made = 0
+    try:
+        while True:
+            open(f"empty-{made}", "w").close()
+            made += 1
+    except OSError as exc:
+        raise ValueError(made, exc.strerror)
+"""
+    batch = run(source, one_per("n", 1), SandboxLimits(wall_s=10, cpu_s=5, work_files=20))
+
+    assert batch.errors == ["ValueError: (20, 'No space left on device') (line 9)"]
 
 
 def test_results_cannot_be_forged_by_printing(run: Run) -> None:
@@ -379,6 +478,112 @@ def grade(sample, item):
     assert batch.errors[0] is not None and batch.errors[0].startswith(("FileNotFoundError", "PermissionError"))
 
 
+def test_results_nested_too_deeply_are_malformed(run: Run) -> None:
+    """A grader may write to the results pipe itself (its number is the sandbox's argument): a line nested past
+    the JSON parser's depth is a batch of malformed results, not an error of the service."""
+    source = """
+import os, sys
+def grade(sample, item):
+    os.write(int(sys.argv[1]), b"[" * 100_000 + b"\\n")
+    os._exit(0)
+"""
+    batch = run(source, one_per("n", 1))
+
+    assert batch == GradeBatch([None], [None], "the grader process returned malformed results", batch.seconds)
+
+
+BYPASSES = """
+import __main__, gc, os, socket, types
+def grade(sample, item):
+    how = item["how"]
+    if how == "table":
+        for name, value in vars(__main__).items():
+            if isinstance(value, tuple) and all(isinstance(event, str) for event in value):
+                setattr(__main__, name, ())
+    if how == "hook":
+        for name, value in list(vars(__main__).items()):
+            if isinstance(value, types.FunctionType) and name not in ("_send", "_run_grader", "_call", "_describe"):
+                value.__code__ = (lambda *args, **kwargs: None).__code__
+    if how == "closure":
+        for found in gc.get_objects():
+            if isinstance(found, types.FunctionType) and found.__closure__:
+                for cell in found.__closure__:
+                    if isinstance(cell.cell_contents, tuple):
+                        cell.cell_contents = ()
+    if item["then"] == "fork":
+        if os.fork() == 0:
+            os._exit(0)
+    else:
+        socket.socket().close()  # the kernel lets a grader make a socket (it reaches nothing): only the hook refuses
+    return 1.0
+"""
+BYPASS_CALLS: Calls = [
+    ({}, {"how": how, "then": then}) for how in ("table", "hook", "closure") for then in ("socket", "fork")
+]
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "as root",
+        "in a user namespace, as root",
+        pytest.param(AS_NOBODY, marks=pytest.mark.skipif(not CAN_BE_NOBODY, reason="needs root to become nobody")),
+    ],
+)
+def test_the_audit_hook_cannot_be_switched_off(mode: str, sandbox_copy: Path) -> None:
+    """The hook's table and code are out of the grader's reach: after each attempt on them (the module's table, its
+    functions, the cells of every closure gc finds), a socket or a fork is still refused, by the hook. In a user
+    namespace as root (no RLIMIT_NPROC there) the hook alone stops the fork."""
+    if mode == AS_NOBODY:
+        batch, _ = grade_as_nobody(sandbox_copy, BYPASSES, BYPASS_CALLS, LIMITS)
+    else:
+        batch = sandbox._grade(BYPASSES, BYPASS_CALLS, LIMITS, user_namespace=mode != "as root")
+
+    assert batch.batch_error is None, batch
+    assert batch.scores == [None] * len(BYPASS_CALLS), batch
+    assert all(e and e.startswith("PermissionError") and "not allowed in a grader" in e for e in batch.errors), batch
+
+
+OPENAI_RAPIDFUZZ = """
+from rapidfuzz import fuzz, utils
+
+def grade(sample, item) -> float:
+    output_text = sample["output_text"]
+    reference_answer = item["reference_answer"]
+    return fuzz.WRatio(output_text, reference_answer, processor=utils.default_process) / 100.0
+"""
+"""OpenAI's python grader example (https://platform.openai.com/docs/guides/graders#python-graders)."""
+
+
+def test_openais_example_grader_runs() -> None:
+    calls: Calls = [({"output_text": text}, {"reference_answer": "Paris"}) for text in ("paris", "Lyon")]
+
+    batch = grade_source(OPENAI_RAPIDFUZZ, calls, LIMITS)
+
+    assert batch.batch_error is None and batch.errors == [None, None], batch
+    assert batch.scores[0] == 1.0 and batch.scores[1] is not None and batch.scores[1] < 0.5
+
+
+def test_every_offered_package_imports_read_only() -> None:
+    offered = offered_packages()
+    assert {"numpy", "rapidfuzz", "rouge_score", "nltk"} <= set(offered.modules)  # the service's own dependencies
+    source = """
+import importlib
+def grade(sample, item):
+    if item["module"] == "write":
+        open("/packages/numpy/__init__.py", "a")
+    importlib.import_module(item["module"])
+    return 1.0
+"""
+    calls: Calls = [({}, {"module": module}) for module in (*offered.modules, "write")]
+
+    batch = grade_source(source, calls, SandboxLimits(wall_s=60, cpu_s=30))
+
+    assert batch.batch_error is None, batch
+    assert batch.scores == [1.0] * len(offered.modules) + [None], batch
+    assert batch.errors[-1] is not None and batch.errors[-1].startswith(("PermissionError", "OSError")), batch
+
+
 def reachable_by_nobody(python: str) -> str:
     """Shell commands (root's, in a private mount namespace) after which nobody can run ``python``: when it lies
     under /root (mode 700; pyenv's does), /root becomes a folder holding only its top folder there."""
@@ -391,12 +596,29 @@ def reachable_by_nobody(python: str) -> str:
 @pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("setpriv")), reason="needs root")
 def test_a_non_root_service_isolates_through_a_user_namespace() -> None:
     """The module run by nobody (a copy of it: stdlib only, importable alone) isolates through a user namespace,
-    where it keeps its uid; the kernel's limits hold there too, RLIMIT_NPROC included. Without one (root's way)
-    it cannot isolate, and says so rather than run the grader."""
+    where it keeps its uid; the kernel's limits hold there too (RLIMIT_NPROC, the files /work may hold, the
+    mounts ctypes cannot undo, the checkout out of reach), with the audit hook switched off by the grader as
+    without it. Without one (root's way) it cannot isolate, and says so rather than run the grader."""
     source = """
-import os, socket, threading
+import __main__, ctypes, os, socket, sys, threading
 def grade(sample, item):
     how = item["how"]
+    if how == "bypass":
+        __main__.REFUSED_EVENTS = ()
+        if os.fork() == 0:
+            os._exit(0)
+    if how == "files":
+        for n in range(100_000):
+            open(f"empty-{n}", "w").close()
+    if how == "ctypes":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.unshare(0x10000000 | 0x00020000)  # CLONE_NEWUSER | CLONE_NEWNS
+        for path in [b"/", b"/work", b"/usr"]:
+            libc.umount2(path, 2)  # MNT_DETACH
+        open("/etc/passwd").read()
+    if how == "checkout":
+        sys.path.insert(0, item["checkout"])
+        import jobs
     if how == "fork":
         os.fork()
     if how == "thread":
@@ -409,9 +631,11 @@ def grade(sample, item):
         os.kill(item["pid"], 9)
     return 1.0
 """
-    calls: Calls = [
-        ({}, {"how": how, "pid": os.getpid()}) for how in ["fork", "thread", "socket", "passwd", "kill", "ok"]
-    ]
+    jobs = importlib.util.find_spec("jobs")
+    assert jobs is not None and jobs.origin is not None
+    checkout = str(Path(jobs.origin).resolve().parents[1])
+    hows = ["fork", "thread", "socket", "passwd", "kill", "bypass", "files", "ctypes", "checkout", "ok"]
+    calls: Calls = [({}, {"how": how, "pid": os.getpid(), "checkout": checkout}) for how in hows]
     script = f"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -436,4 +660,5 @@ print(json.dumps({{"batches": [batch.__dict__ for batch in batches], "refused": 
     assert ran["refused"].startswith("cannot isolate the grader: [Errno 1] unshare"), ran["refused"]
     for batch in ran["batches"]:
         assert batch["batch_error"] is None, batch
-        assert batch["scores"] == [None] * 5 + [1.0], batch
+        assert batch["scores"] == [None] * (len(hows) - 1) + [1.0], batch
+        assert "No space left on device" in batch["errors"][hows.index("files")], batch
