@@ -32,8 +32,9 @@ def clean_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[
     get_settings.cache_clear()
 
 
-class Started(Exception):
-    """Raised by the stand-ins of the servers: the command got past the address check."""
+class Started(BaseException):
+    """Raised by the stand-ins of the servers: the command got past the address check. (Not an Exception, which
+    the command line would turn into its one-line error.)"""
 
 
 @pytest.mark.parametrize("host", LOOPBACK)
