@@ -325,8 +325,10 @@ class _Serving:
         if self.result is not None:
             return self.result
         code = self.process.returncode if self.process is not None else None
-        raise RankFailure(LOST, f"{self.lost or 'the'} processes of the job were lost (torchrun exited with code "
-                                f"{code}) before it ended")  # fmt: skip
+        raise RankFailure(
+            LOST,
+            f"{self.lost or 'the'} processes of the job were lost (torchrun exited with code {code}) before it ended",
+        )
 
     def _closed(self, conn: Channel) -> None:
         self.connections.remove(conn)
@@ -448,8 +450,9 @@ class _Serving:
         self.polled = now
         request: StopRequest | None = self.callbacks.should_stop()
         if request == "cancel" or (request is not None and gathering):
-            log.info("a %s while the job's processes %s: ending it now", request,
-                     "gather" if gathering else "say nothing")  # fmt: skip
+            log.info(
+                "a %s while the job's processes %s: ending it now", request, "gather" if gathering else "say nothing"
+            )
             self._end(result=JobResult("cancelled" if request == "cancel" else "paused", self.step, None, {}))
 
     def _unavailable(self) -> str:

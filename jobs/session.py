@@ -375,8 +375,17 @@ class SessionWorker:
         def write(session: Session) -> None:
             job = crud.get_job(session, job_id=self.job_id)
             assert job is not None
-            sessions.add_checkpoint(session, session_id=self.job_id, project_id=job.project_id, model_id=target,
-                                    kind=kind, name=name, path=relative, step=step, size_bytes=size)  # fmt: skip
+            sessions.add_checkpoint(
+                session,
+                session_id=self.job_id,
+                project_id=job.project_id,
+                model_id=target,
+                kind=kind,
+                name=name,
+                path=relative,
+                step=step,
+                size_bytes=size,
+            )
 
         in_transaction(self.url, write)
         return f"tinker://{target}/{kind}/{name}"
@@ -395,9 +404,15 @@ class SessionWorker:
         check_prompt(prompt, params, vocab, context_length(model))
         check_work(prompt, params, body["num_samples"], context_length(model), self.settings.session_max_sample_tokens)
         self.request_checked = time.monotonic()
-        sequences, prompt_logprobs = sample(model, tokenizer, prompt, body["num_samples"], params,
-                                            prompt_logprobs=body.get("prompt_logprobs", False),
-                                            stop=lambda: self._interrupted(request))  # fmt: skip
+        sequences, prompt_logprobs = sample(
+            model,
+            tokenizer,
+            prompt,
+            body["num_samples"],
+            params,
+            prompt_logprobs=body.get("prompt_logprobs", False),
+            stop=lambda: self._interrupted(request),
+        )
         return encode_sample_response(sequences, prompt_logprobs), "proto"
 
     def _sampler(self, sampler_id: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

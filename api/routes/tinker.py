@@ -112,9 +112,15 @@ def create_session(body: CreateSessionRequest, settings: SettingsDep, project: T
     """A session, its job ``waiting`` until its first model or sampler; 429 past the project's pending jobs or
     sessions."""
     with _db(settings) as session:
-        job = service.start_session(session, settings, project, sdk_version=body.sdk_version, tags=body.tags,
-                                    user_metadata=body.user_metadata or {},
-                                    display_name=body.display_name)  # fmt: skip
+        job = service.start_session(
+            session,
+            settings,
+            project,
+            sdk_version=body.sdk_version,
+            tags=body.tags,
+            user_metadata=body.user_metadata or {},
+            display_name=body.display_name,
+        )
         return {"type": "create_session", "session_id": job.id}
 
 
@@ -136,8 +142,7 @@ def finish_session(session_id: str, body: FinishSessionRequest, settings: Settin
 @router.get("/sessions")
 def list_sessions(settings: SettingsDep, project: TinkerProject, limit: int = 20, offset: Offset = 0) -> dict[str, Any]:
     with _db(settings) as session:
-        ids = sessions.list_session_ids(session, project_id=project.id, limit=min(max(limit, 1), 100),
-                                        offset=offset)  # fmt: skip
+        ids = sessions.list_session_ids(session, project_id=project.id, limit=min(max(limit, 1), 100), offset=offset)
     return {"sessions": ids}
 
 
@@ -156,8 +161,9 @@ def get_session(session_id: str, settings: SettingsDep, project: TinkerProject) 
 
 
 @router.post("/create_model")
-def create_model(body: CreateModelRequest, settings: SettingsDep, enqueue: EnqueueDep,
-                 project: TinkerProject) -> Future:  # fmt: skip
+def create_model(
+    body: CreateModelRequest, settings: SettingsDep, enqueue: EnqueueDep, project: TinkerProject
+) -> Future:
     """A model of the session (its first queues the session for a train worker); a refused ``base_model`` is a 400,
     and ends a session that holds nothing else."""
     with _db(settings) as session:
@@ -230,8 +236,9 @@ def save_weights_external(body: SaveWeightsExternalRequest, settings: SettingsDe
 
 
 @router.post("/load_weights")
-def load_weights(body: LoadWeightsRequest, settings: SettingsDep, enqueue: EnqueueDep,
-                 project: TinkerProject) -> Future:  # fmt: skip
+def load_weights(
+    body: LoadWeightsRequest, settings: SettingsDep, enqueue: EnqueueDep, project: TinkerProject
+) -> Future:
     with _db(settings) as session:
         return service.load_weights(session, settings, enqueue, project, path=body.path, optimizer=body.optimizer,
                                     model_id=body.model_id, seq_id=body.seq_id, session_id=body.session_id,
@@ -345,8 +352,9 @@ def run_checkpoints(run_id: str, settings: SettingsDep, project: TinkerProject) 
 
 
 @router.get("/checkpoints")
-def all_checkpoints(settings: SettingsDep, project: TinkerProject, limit: int = 100,
-                    offset: Offset = 0) -> dict[str, Any]:  # fmt: skip
+def all_checkpoints(
+    settings: SettingsDep, project: TinkerProject, limit: int = 100, offset: Offset = 0
+) -> dict[str, Any]:
     limit = min(max(limit, 1), 1000)
     with _db(settings) as session:
         rows, total = sessions.list_checkpoints(session, project_id=project.id, limit=limit, offset=offset)

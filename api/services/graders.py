@@ -58,8 +58,14 @@ def checked_grader(settings: Settings, data: Any) -> Grader:
         first = e.errors(include_url=False)[0]
         raise ApiError(400, "invalid_request", f"{dotted(tuple(first['loc'])) or 'grader'}: {first['msg']}",
                        param=dotted(("grader", *first["loc"]))) from None  # fmt: skip
-    problems = graders.check_allowed(grader, settings.reward_urls, settings.reward_functions,
-                                     settings.judges.keys(), settings.source_graders, settings.own_urls)  # fmt: skip
+    problems = graders.check_allowed(
+        grader,
+        settings.reward_urls,
+        settings.reward_functions,
+        settings.judges.keys(),
+        settings.source_graders,
+        settings.own_urls,
+    )
     if problems:
         raise ApiError(400, "reward_not_allowed", "; ".join(problems), param="grader")
     imports = graders.import_problems(grader)  # what this process's sandbox offers (the workers offer their own)

@@ -119,8 +119,14 @@ def start_session(
             f"takes at most {settings.max_sessions_per_project} (RLHF_MAX_SESSIONS_PER_PROJECT): close "
             "one (ServiceClient.close) or cancel its job first",
         )
-    job = sessions.create_session(session, project_id=project.id, sdk_version=sdk_version, tags=tags[:20],
-                                  user_metadata=user_metadata, display_name=display_name)  # fmt: skip
+    job = sessions.create_session(
+        session,
+        project_id=project.id,
+        sdk_version=sdk_version,
+        tags=tags[:20],
+        user_metadata=user_metadata,
+        display_name=display_name,
+    )
     session.commit()
     return job
 
@@ -263,9 +269,20 @@ def save_for_sampler(session: Session, settings: Settings, project: Project, *, 
     return Future(request_id=request.id, model_id=model.id)
 
 
-def load_weights(session: Session, settings: Settings, enqueue: Enqueue, project: Project, *, path: str,
-                 optimizer: bool, model_id: str | None, seq_id: int | None, session_id: str | None,
-                 model_seq_id: int | None, user_metadata: dict[str, Any]) -> Future:  # fmt: skip
+def load_weights(
+    session: Session,
+    settings: Settings,
+    enqueue: Enqueue,
+    project: Project,
+    *,
+    path: str,
+    optimizer: bool,
+    model_id: str | None,
+    seq_id: int | None,
+    session_id: str | None,
+    model_seq_id: int | None,
+    user_metadata: dict[str, Any],
+) -> Future:
     """Saved training weights loaded into a model of the session, or into a new one created from them."""
     checkpoint = checkpoint_at(session, project, path, kind="weights")
     source = sessions.get_model(session, model_id=checkpoint.model_id, project_id=project.id)
@@ -295,33 +312,64 @@ def _request_payload(session: Session, model: SessionModel) -> bytes:
     return request.payload
 
 
-def create_sampler(session: Session, settings: Settings, enqueue: Enqueue, project: Project, *, session_id: str,
-                   seq: int, base_model: str | None, model_path: str | None) -> SamplingSession:  # fmt: skip
+def create_sampler(
+    session: Session,
+    settings: Settings,
+    enqueue: Enqueue,
+    project: Project,
+    *,
+    session_id: str,
+    seq: int,
+    base_model: str | None,
+    model_path: str | None,
+) -> SamplingSession:
     """A sampler of saved sampler weights (``model_path``) or of a base model."""
     job = live_session(session, project, session_id)
     if model_path is not None:
         checkpoint = checkpoint_at(session, project, model_path, kind="sampler_weights")
         model = sessions.get_model(session, model_id=checkpoint.model_id, project_id=project.id)
         assert model is not None
-        sampler = sessions.add_sampler(session, session_id=job.id, project_id=project.id, seq=seq,
-                                       base_model=model.base_model, model_path=model_path,
-                                       folder=checkpoint.path)  # fmt: skip
+        sampler = sessions.add_sampler(
+            session,
+            session_id=job.id,
+            project_id=project.id,
+            seq=seq,
+            base_model=model.base_model,
+            model_path=model_path,
+            folder=checkpoint.path,
+        )
     elif base_model is None:
         raise ApiError(400, "invalid_request", "a sampling session needs model_path or base_model", param="base_model")
     else:
         try:
-            resolved = resolve_model(session, project_id=project.id, ref=base_model, settings=settings,
-                                     param="base_model")  # fmt: skip
+            resolved = resolve_model(
+                session, project_id=project.id, ref=base_model, settings=settings, param="base_model"
+            )
         except SpecReferenceError as e:
             raise _refused(session, job, e) from None
-        sampler = sessions.add_sampler(session, session_id=job.id, project_id=project.id, seq=seq,
-                                       base_model=base_model, model_path=None, folder=resolved)  # fmt: skip
+        sampler = sessions.add_sampler(
+            session,
+            session_id=job.id,
+            project_id=project.id,
+            seq=seq,
+            base_model=base_model,
+            model_path=None,
+            folder=resolved,
+        )
     _claim_worker(session, settings, enqueue, job, sampler.base_model)
     return sampler
 
 
-def sample(session: Session, settings: Settings, project: Project, *, sampler_id: str, seq_id: int,
-           num_samples: int, body: BaseModel) -> Future:  # fmt: skip
+def sample(
+    session: Session,
+    settings: Settings,
+    project: Project,
+    *,
+    sampler_id: str,
+    seq_id: int,
+    num_samples: int,
+    body: BaseModel,
+) -> Future:
     """A sample request; 400 ``request_too_large`` when its ``num_samples`` × ``max_tokens`` is past
     ``RLHF_SESSION_MAX_SAMPLE_TOKENS`` (without ``max_tokens``, the worker checks against the model's context)."""
     params = getattr(body, "sampling_params", None)

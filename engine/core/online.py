@@ -92,8 +92,11 @@ def open_rollout_engine(run: Run, cfg: OnlineConfig, policy: PreTrainedModel, ma
     base_state = merged_state_dict(policy, adapters=False) if lora_rank is not None else None
     started = time.monotonic()
     if settings.url is None:  # a minute or so: vLLM loads the model, profiles it and warms up
-        run.callbacks.on_event("info", f"starting vLLM ({settings.python}); it may take a minute or two",
-                               {"python": settings.python, "start_timeout": settings.start_timeout})  # fmt: skip
+        run.callbacks.on_event(
+            "info",
+            f"starting vLLM ({settings.python}); it may take a minute or two",
+            {"python": settings.python, "start_timeout": settings.start_timeout},
+        )
     sampler = start_sampler(settings, policy, run.tokenizer, run.out_dir / "rollout", max_model_len,
                             cfg.sync_max_gap, lora_rank, base_state)  # fmt: skip
     run.at_end(sampler.close)

@@ -80,8 +80,15 @@ def server_error(log: str) -> str | None:
 PLUGIN = Path(__file__).parent / "vllm_plugin"
 """rlhf's vLLM endpoint plugin (``rlhf_vllm_sync``): the folder a job's server gets as its ``PYTHONPATH``."""
 PLUGIN_NAME = "rlhf_sync"
-VLLM_SETTINGS_REMOVED = ("PYTHONPATH", "VIRTUAL_ENV", "VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
-                         "VLLM_API_KEY", "VLLM_PLUGINS", "VLLM_LORA_RESOLVER_CACHE_DIR")  # fmt: skip
+VLLM_SETTINGS_REMOVED = (
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "VLLM_SERVER_DEV_MODE",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    "VLLM_API_KEY",
+    "VLLM_PLUGINS",
+    "VLLM_LORA_RESOLVER_CACHE_DIR",
+)
 """Variables of the worker's environment a job's server never gets: the trainer's python paths (vLLM's are
 others), and vLLM's switches that would open routes the job does not use."""
 
@@ -143,8 +150,9 @@ class VllmServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RolloutEngineError(f"the vLLM server exited with code {self.process.returncode} while "
-                                         f"starting: {self.cause()}")  # fmt: skip
+                raise RolloutEngineError(
+                    f"the vLLM server exited with code {self.process.returncode} while starting: {self.cause()}"
+                )
             try:
                 with self.client(timeout=5) as client:
                     if client.get("/health").status_code == 200:
@@ -254,8 +262,9 @@ class VllmSampler:
             why = ""
             if response.status_code >= 500 and self.server is not None:  # its answer: "see the stack trace above"
                 why = f"; the server's error: {self.server.cause()}"
-            raise RolloutEngineError(f"the vLLM server refused {path} ({response.status_code}): "
-                                     f"{response.text[:500]}{why}")  # fmt: skip
+            raise RolloutEngineError(
+                f"the vLLM server refused {path} ({response.status_code}): {response.text[:500]}{why}"
+            )
         if "json" not in response.headers.get("content-type", ""):
             return response.text  # the adapter endpoints answer in plain text
         return response.json()

@@ -667,8 +667,10 @@ def check_allowed(
             allowed = ", ".join(allowed_urls) or "none"
             problems.append(f"grader {name!r}: the reward service {_public_url(sub.url)} is not allowed ({allowed})")
         elif isinstance(sub, HttpGrader) and any(_same_server(sub.url, own) for own in own_urls):
-            problems.append(f"grader {name!r}: the reward service {_public_url(sub.url)} is not allowed (it is one "
-                            "of this service's own servers)")  # fmt: skip
+            problems.append(
+                f"grader {name!r}: the reward service {_public_url(sub.url)} is not allowed (it is one "
+                "of this service's own servers)"
+            )
         if (
             isinstance(sub, PythonGrader)
             and sub.function is not None

@@ -87,9 +87,19 @@ def sample(
     generator = torch.Generator(device=device).manual_seed(params.seed if params.seed is not None
                                                            else secrets.randbits(63))  # fmt: skip
     with folded_adapters(model):
-        raw, logprobs = generate(model, ids, torch.ones_like(ids), limit, params.temperature,
-                                 top_k=max(params.top_k, 0), top_p=params.top_p, eos_token_id=stop_ids or None,
-                                 generator=generator, group_size=num_samples, stop=stop)  # fmt: skip
+        raw, logprobs = generate(
+            model,
+            ids,
+            torch.ones_like(ids),
+            limit,
+            params.temperature,
+            top_k=max(params.top_k, 0),
+            top_p=params.top_p,
+            eos_token_id=stop_ids or None,
+            generator=generator,
+            group_size=num_samples,
+            stop=stop,
+        )
         prompt_scores = _prompt_logprobs(model, ids) if prompt_logprobs else None
     sequences = [_cut(raw[i].tolist(), logprobs[i].tolist(), stop_ids, stop_texts, tokenizer, limit)
                  for i in range(num_samples)]  # fmt: skip

@@ -594,8 +594,9 @@ class GroupSamplingConfig(SamplingConfig):
     def loss_settings(self) -> LossSettings:
         """The settings of ``policy_loss``: the ratio clipped to [1 - ``cliprange_low``, 1 + ``cliprange_high``],
         each the loss's own where None."""
-        return _loss_settings(self.policy_loss, self.cliprange_low, self.cliprange_high, self.dual_clip,
-                              self.rollout_correction)  # fmt: skip
+        return _loss_settings(
+            self.policy_loss, self.cliprange_low, self.cliprange_high, self.dual_clip, self.rollout_correction
+        )
 
     def _check_batches(self) -> None:
         """The batch sizes divide as the minibatches and micro-batches need; ``dual_clip`` suits ``policy_loss``."""

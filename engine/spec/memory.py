@@ -192,8 +192,10 @@ class Plan:
 
     def describe(self) -> str:
         gathered = f", and {gib(self.gathered)} gathered from the host at a time" if self.gathered else ""
-        return (f"{gib(self.weights)} of weights, {gib(self.gradients)} of gradients and {gib(self.optimizer)} of "
-                f"optimizer state, {gib(self.total)} in all ({self.total:,} bytes){gathered}")  # fmt: skip
+        return (
+            f"{gib(self.weights)} of weights, {gib(self.gradients)} of gradients and {gib(self.optimizer)} of "
+            f"optimizer state, {gib(self.total)} in all ({self.total:,} bytes){gathered}"
+        )
 
 
 def gib(n: int) -> str:

@@ -112,11 +112,21 @@ def job_dir(artifacts: Path, job_id: str) -> Path:
     return artifacts / "jobs" / job_id
 
 
-def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], artifacts: Path,
-                 model_root: Path | None, hub_downloads: bool = False, reward_urls: Sequence[str] = (),
-                 reward_functions: Sequence[str] = (), judges: Collection[str] | None = None,
-                 source_graders: bool = True, own_urls: Sequence[str] = (),
-                 pending: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+def resolve_spec(
+    session: Session,
+    *,
+    project_id: str,
+    spec: dict[str, Any],
+    artifacts: Path,
+    model_root: Path | None,
+    hub_downloads: bool = False,
+    reward_urls: Sequence[str] = (),
+    reward_functions: Sequence[str] = (),
+    judges: Collection[str] | None = None,
+    source_graders: bool = True,
+    own_urls: Sequence[str] = (),
+    pending: list[str] | None = None,
+) -> dict[str, Any]:
     """A copy of ``spec`` with every service reference replaced by a path; raises SpecReferenceError.
     ``model_root``, ``hub_downloads``, ``reward_urls``, ``reward_functions``, ``judges`` (the names) and
     ``source_graders`` are the settings of the same names, ``own_urls`` the settings' ``own_urls``. With a
@@ -144,8 +154,9 @@ def resolve_spec(session: Session, *, project_id: str, spec: dict[str, Any], art
                 raise SpecReferenceError(field, "vocabulary_mismatch", vocabulary_mismatch(field))
     for field in ("reward", "eval_reward"):
         if spec.get(field):
-            problems = check_allowed(parse_grader(spec[field]), reward_urls, reward_functions, judges, source_graders,
-                                     own_urls)  # fmt: skip
+            problems = check_allowed(
+                parse_grader(spec[field]), reward_urls, reward_functions, judges, source_graders, own_urls
+            )
             if problems:
                 raise SpecReferenceError(field, "reward_not_allowed", "; ".join(problems))
             resolved[field] = replace_models(spec[field], reward_model, field)

@@ -79,16 +79,30 @@ def test_a_jobs_server_is_its_own(tiny_vllm: VllmServer) -> None:
     assert stat.S_IMODE(tiny_vllm.private.stat().st_mode) == 0o700
     completion = {"model": "base", "prompt": [1, 2, 3], "max_tokens": 1}
     with tiny_vllm.client(60, key=False) as anyone:
-        refused = [("POST", "/v1/completions"), ("POST", "/invocations"), ("GET", "/v1/models"),
-                   ("POST", "/v1/rlhf/reload_weights"), ("POST", "/tokenize"), ("GET", "/health")]  # fmt: skip
+        refused = [
+            ("POST", "/v1/completions"),
+            ("POST", "/invocations"),
+            ("GET", "/v1/models"),
+            ("POST", "/v1/rlhf/reload_weights"),
+            ("POST", "/tokenize"),
+            ("GET", "/health"),
+        ]
         for method, path in refused:
             assert anyone.request(method, path, json=completion).status_code == 401, path
         wrong = anyone.post("/v1/completions", json=completion, headers={"Authorization": "Bearer not-the-key"})
         assert wrong.status_code == 401
     with tiny_vllm.client(60) as job:
         assert job.post("/v1/completions", json=completion).status_code == 200  # the check looked at a real server
-        for path in ("/collective_rpc", "/sleep", "/reset_prefix_cache", "/pause", "/server_info",
-                     "/v1/load_lora_adapter", "/adapters", "/update_weights"):  # fmt: skip
+        for path in (
+            "/collective_rpc",
+            "/sleep",
+            "/reset_prefix_cache",
+            "/pause",
+            "/server_info",
+            "/v1/load_lora_adapter",
+            "/adapters",
+            "/update_weights",
+        ):
             assert job.post(path, json={}).status_code == 404, path
         for name in ("../../etc", "/tmp/adapter", "policy-ab-v1/.."):
             assert job.post("/v1/rlhf/load_adapter", json={"name": name}).status_code == 400, name
@@ -177,8 +191,10 @@ INFO:     127.0.0.1:38718 - "POST /v1/completions HTTP/1.1" 500 Internal Server 
 
 
 def test_the_servers_own_error_is_found_in_its_log() -> None:
-    assert server_error(HEAD_DIM_LOG) == "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 " \
-        "kv_cache_idx=0"  # fmt: skip
+    assert (
+        server_error(HEAD_DIM_LOG) == "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 "
+        "kv_cache_idx=0"
+    )
     assert server_error("INFO: started\nWARNING: slow\n") is None
 
 

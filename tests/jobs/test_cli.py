@@ -17,12 +17,25 @@ def test_rlhf_train_offers_restart():
 
 
 VLLM_GRPO = {
-    "type": "grpo", "model": "builtin:tiny", "dataset": "builtin:digits-prompts",
-    "reward": {"type": "string_check", "name": "digit", "input": "{{ sample.output_text }}", "reference": "1",
-               "operation": "like"},
-    "hyperparameters": {"total_steps": 1, "batch_size": 2, "group_size": 2, "response_length": 4,
-                        "mini_batch_size": 4, "rollout_engine": "vllm"},
-}  # fmt: skip
+    "type": "grpo",
+    "model": "builtin:tiny",
+    "dataset": "builtin:digits-prompts",
+    "reward": {
+        "type": "string_check",
+        "name": "digit",
+        "input": "{{ sample.output_text }}",
+        "reference": "1",
+        "operation": "like",
+    },
+    "hyperparameters": {
+        "total_steps": 1,
+        "batch_size": 2,
+        "group_size": 2,
+        "response_length": 4,
+        "mini_batch_size": 4,
+        "rollout_engine": "vllm",
+    },
+}
 
 
 def rlhf_train(spec: Path, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

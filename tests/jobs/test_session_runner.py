@@ -23,18 +23,28 @@ from tests.jobs.helpers import events, get_job, set_status
 from tests.models import build_model
 
 
-def session_with_a_request(settings: Settings, project_id: str, silent_s: float, kind: str = "optim_step",
-                           payload: bytes = b"{}") -> tuple[str, str]:  # fmt: skip
+def session_with_a_request(
+    settings: Settings, project_id: str, silent_s: float, kind: str = "optim_step", payload: bytes = b"{}"
+) -> tuple[str, str]:
     """A queued session job whose client last beat ``silent_s`` ago, with a request waiting (an optimizer step of a
     model the worker does not hold, by default; seq_id 0 for a ``create_model``)."""
     with db.session_scope(settings.resolved_database_url) as session:
         job = sessions.create_session(session, project_id=project_id, sdk_version="0.38.0", tags=[], user_metadata={})
         target, seq_id = f"{job.id}:train:0", int(kind != "create_model")
         if kind == "create_model":
-            sessions.add_model(session, session_id=job.id, project_id=project_id, seq=0, base_model="m",
-                               lora_rank=4, info={}, user_metadata={})  # fmt: skip
-        request, _ = sessions.add_request(session, session_id=job.id, project_id=project_id, target=target,
-                                          seq_id=seq_id, kind=kind, payload=payload)  # fmt: skip
+            sessions.add_model(
+                session,
+                session_id=job.id,
+                project_id=project_id,
+                seq=0,
+                base_model="m",
+                lora_rank=4,
+                info={},
+                user_metadata={},
+            )
+        request, _ = sessions.add_request(
+            session, session_id=job.id, project_id=project_id, target=target, seq_id=seq_id, kind=kind, payload=payload
+        )
         assert sessions.queue_session(session, job=job, base_model="m")
         session.execute(update(TrainingSession).where(TrainingSession.id == job.id)
                         .values(heartbeat_at=utcnow() - timedelta(seconds=silent_s)))  # fmt: skip
@@ -54,8 +64,9 @@ def request_of(settings: Settings, request_id: str) -> SessionRequest:
         return row
 
 
-def test_a_session_whose_heartbeats_stopped_ends_abandoned_and_frees_the_worker(settings: Settings,
-                                                                               project_id: str) -> None:  # fmt: skip
+def test_a_session_whose_heartbeats_stopped_ends_abandoned_and_frees_the_worker(
+    settings: Settings, project_id: str
+) -> None:
     short = settings.model_copy(update={"session_timeout_seconds": 5})
     job_id, request_id = session_with_a_request(short, project_id, silent_s=30)
     assert runner.run_job(job_id, settings=short, worker="w1") == "cancelled"  # not a clean close: succeeded
@@ -65,20 +76,26 @@ def test_a_session_whose_heartbeats_stopped_ends_abandoned_and_frees_the_worker(
     assert re.match(r"no heartbeat from the client for 3\d s: it exited without closing", job.error_message)
     request = request_of(short, request_id)
     assert (request.status, request.category) == ("failed", "user")
-    assert request.error is not None and re.search(r"the session ended: no heartbeat from the client for 3\d s",
-                                                   request.error)  # fmt: skip
+    assert request.error is not None and re.search(
+        r"the session ended: no heartbeat from the client for 3\d s", request.error
+    )
     assert any(e.data.get("code") == "session_abandoned" for e in events(short, job_id))
 
 
-def test_a_session_not_taken_yet_whose_heartbeats_stopped_is_ended_by_the_sweep(settings: Settings,
-                                                                               project_id: str) -> None:  # fmt: skip
+def test_a_session_not_taken_yet_whose_heartbeats_stopped_is_ended_by_the_sweep(
+    settings: Settings, project_id: str
+) -> None:
     job_id, request_id = session_with_a_request(settings, project_id, silent_s=300)
     beating, _ = session_with_a_request(settings, project_id, silent_s=0)
     with db.session_scope(settings.resolved_database_url) as session:
-        waiting = sessions.create_session(session, project_id=project_id, sdk_version="0.38.0", tags=[],
-                                          user_metadata={}).id  # fmt: skip
-        session.execute(update(TrainingSession).where(TrainingSession.id == waiting)
-                        .values(heartbeat_at=utcnow() - timedelta(seconds=300)))  # fmt: skip
+        waiting = sessions.create_session(
+            session, project_id=project_id, sdk_version="0.38.0", tags=[], user_metadata={}
+        ).id
+        session.execute(
+            update(TrainingSession)
+            .where(TrainingSession.id == waiting)
+            .values(heartbeat_at=utcnow() - timedelta(seconds=300))
+        )
     assert set(end_abandoned_once(settings)) >= {job_id, waiting}
     for ended in (job_id, waiting):
         job = get_job(settings, ended)
@@ -91,14 +108,16 @@ def test_a_session_not_taken_yet_whose_heartbeats_stopped_is_ended_by_the_sweep(
 @pytest.mark.parametrize(
     ("setting", "code"), [("session_idle_seconds", "session_idle"), ("session_max_seconds", "session_expired")]
 )
-def test_an_idle_or_old_session_saves_its_models_state_and_ends(sqlite_settings: Settings, setting: str,
-                                                               code: str) -> None:  # fmt: skip
+def test_an_idle_or_old_session_saves_its_models_state_and_ends(
+    sqlite_settings: Settings, setting: str, code: str
+) -> None:
     """A forgotten notebook, still beating: no request for ``session_idle_seconds``; or a session past its
     ``session_max_seconds``. Either ends, its model's state saved first for create_training_client_from_state."""
     limited = sqlite_settings.model_copy(update={"session_idle_seconds": 0, setting: 1, "session_timeout_seconds": 60})
     project_id = new_project(limited).id
-    job_id, request_id = session_with_a_request(limited, project_id, silent_s=0, kind="create_model",
-                                                payload=tiny_model())  # fmt: skip
+    job_id, request_id = session_with_a_request(
+        limited, project_id, silent_s=0, kind="create_model", payload=tiny_model()
+    )
     assert runner.run_job(job_id, settings=limited, worker="w1") == "cancelled"
     assert request_of(limited, request_id).status == "done"
     job = get_job(limited, job_id)
@@ -106,22 +125,24 @@ def test_an_idle_or_old_session_saves_its_models_state_and_ends(sqlite_settings:
     path = f"tinker://{job_id}:train:0/weights/ended-0"
     assert path in job.error_message
     with db.session_scope(limited.resolved_database_url) as session:
-        saved = sessions.get_checkpoint(session, project_id=project_id, model_id=f"{job_id}:train:0", kind="weights",
-                                        name="ended-0")  # fmt: skip
+        saved = sessions.get_checkpoint(
+            session, project_id=project_id, model_id=f"{job_id}:train:0", kind="weights", name="ended-0"
+        )
         assert saved is not None and saved.size_bytes
         folder = limited.resolved_artifacts_dir / saved.path
     assert (folder / STATE_FILE).is_file()
 
 
-def test_a_first_model_that_cannot_be_loaded_ends_the_session_failed(sqlite_settings: Settings,
-                                                                     tmp_path: Path) -> None:  # fmt: skip
+def test_a_first_model_that_cannot_be_loaded_ends_the_session_failed(sqlite_settings: Settings, tmp_path: Path) -> None:
     """A worker is held only for a model it holds: a session whose only model cannot be loaded ends at once."""
     project_id = new_project(sqlite_settings).id
-    job_id, request_id = session_with_a_request(sqlite_settings, project_id, silent_s=0, kind="create_model",
-                                                payload=tiny_model(str(tmp_path)))  # fmt: skip
+    job_id, request_id = session_with_a_request(
+        sqlite_settings, project_id, silent_s=0, kind="create_model", payload=tiny_model(str(tmp_path))
+    )
     finished: list[str] = []
-    worker = threading.Thread(target=lambda: finished.append(runner.run_job(job_id, settings=sqlite_settings,
-                                                                             worker="w1")), daemon=True)  # fmt: skip
+    worker = threading.Thread(
+        target=lambda: finished.append(runner.run_job(job_id, settings=sqlite_settings, worker="w1")), daemon=True
+    )
     worker.start()
     worker.join(timeout=60)
     assert finished == ["failed"]
@@ -139,17 +160,37 @@ def test_a_cancel_interrupts_a_sample_in_progress(sqlite_settings: Settings, tmp
     bounded = sqlite_settings.model_copy(update={"session_max_sample_tokens": 10**6})
     project_id = new_project(bounded).id
     job_id, _ = session_with_a_request(bounded, project_id, silent_s=0)
-    long = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}, "num_samples": 1,
-            "sampling_params": {"max_tokens": 200_000, "stop": [], "temperature": 1.0}}  # fmt: skip
+    long = {
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "num_samples": 1,
+        "sampling_params": {"max_tokens": 200_000, "stop": [], "temperature": 1.0},
+    }
     with db.session_scope(bounded.resolved_database_url) as session:
-        sampler = sessions.add_sampler(session, session_id=job_id, project_id=project_id, seq=0, base_model="long",
-                                       model_path=None, folder=str(folder)).id  # fmt: skip
-        first, second = (sessions.add_request(session, session_id=job_id, project_id=project_id, target=sampler,
-                                              seq_id=seq, kind="sample", payload=json.dumps(long).encode())[0].id
-                         for seq in (1, 2))  # fmt: skip
+        sampler = sessions.add_sampler(
+            session,
+            session_id=job_id,
+            project_id=project_id,
+            seq=0,
+            base_model="long",
+            model_path=None,
+            folder=str(folder),
+        ).id
+        first, second = (
+            sessions.add_request(
+                session,
+                session_id=job_id,
+                project_id=project_id,
+                target=sampler,
+                seq_id=seq,
+                kind="sample",
+                payload=json.dumps(long).encode(),
+            )[0].id
+            for seq in (1, 2)
+        )
     finished: list[str] = []
-    worker = threading.Thread(target=lambda: finished.append(runner.run_job(job_id, settings=bounded, worker="w1")),
-                              daemon=True)  # fmt: skip
+    worker = threading.Thread(
+        target=lambda: finished.append(runner.run_job(job_id, settings=bounded, worker="w1")), daemon=True
+    )
     worker.start()
 
     def running(request_id: str) -> None:

@@ -140,8 +140,10 @@ def test_a_misspelt_base_model_ends_its_session_and_leaves_the_worker_free(serve
     named = tinker.ServiceClient(base_url=served.url, api_key=f"tml-{served.key}", display_name="nightly sweep")
     try:
         training = named.create_lora_training_client(base_model=MODEL, rank=4).result(timeout=60)
-        datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
-                            loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})  # fmt: skip
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+        )
         assert training.forward_backward([datum], "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0
         job = served.client.get_job(training.model_id.split(":")[0])
         assert (job["name"], job["model"], job["status"]) == ("nightly sweep", MODEL, "running")

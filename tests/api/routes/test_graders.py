@@ -230,8 +230,11 @@ def accepted_again(client: TestClient, within_s: float = 15) -> bool:
     return answer.status_code == 200
 
 
-TWO_JUDGES = {"type": "multi", "calculate_output": "first + second",
-              "graders": {"first": SCORE_MODEL, "second": SCORE_MODEL}}  # fmt: skip
+TWO_JUDGES = {
+    "type": "multi",
+    "calculate_output": "first + second",
+    "graders": {"first": SCORE_MODEL, "second": SCORE_MODEL},
+}
 """Two judge graders, asked one after the other."""
 
 

@@ -155,8 +155,12 @@ def test_a_template_naming_a_column_the_dataset_lacks_is_refused_at_submit(clien
 
     answered = upload([{"prompt": "2+2=", "answer": "4", "meta": {"unit": "none"}}] * 3)
     partly = upload([{"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3="}])
-    judge = {"type": "text_similarity", "input": "{{sample.output_text}}", "reference": "{{ item.solution }}",
-             "evaluation_metric": "fuzzy_match"}  # fmt: skip
+    judge = {
+        "type": "text_similarity",
+        "input": "{{sample.output_text}}",
+        "reference": "{{ item.solution }}",
+        "evaluation_metric": "fuzzy_match",
+    }
     nested = {**RULE, "reference": "{{item.meta.units}}"}
     multi = {"type": "multi", "graders": {"exact": RULE, "close": judge}, "weights": {"exact": 1, "close": 1}}
     for fields, param, words in [
@@ -167,7 +171,7 @@ def test_a_template_naming_a_column_the_dataset_lacks_is_refused_at_submit(clien
         ({"dataset": answered, "eval_dataset": partly, "reward": RULE}, "reward.reference", "line 2"),
         ({"eval_dataset": partly, "reward": RULE, "eval_reward": judge}, "eval_reward.reference", "item.solution"),
         ({"dataset": "builtin:reviews-prompts", "reward": RULE}, "reward.reference", "(its columns: prompt)"),
-    ]:  # fmt: skip
+    ]:
         assert_refused(submit(client, **fields), "column_not_found", param, "{{ item.", words)
     assert calls.enqueued == []
     for fields in [
@@ -186,11 +190,16 @@ def test_the_vllm_servers_port_is_never_a_reward_service(settings: Settings, pro
     operator = settings.model_copy(update={"reward_urls": ["loopback"], "vllm_url": "http://127.0.0.1:8001"})
     app = create_app(operator, enqueue=calls.enqueue, recovery_interval=None)
     with TestClient(app, headers=project.headers) as client:
-        for url in ("http://127.0.0.1:8001/reset_prefix_cache", "http://localhost:8001/v1/completions",
-                    "http://[::1]:8001/collective_rpc", "http://127.0.0.2:8001/sleep"):  # fmt: skip
+        for url in (
+            "http://127.0.0.1:8001/reset_prefix_cache",
+            "http://localhost:8001/v1/completions",
+            "http://[::1]:8001/collective_rpc",
+            "http://127.0.0.2:8001/sleep",
+        ):
             assert_refused(submit(client, reward=http(url)), "reward_not_allowed", "reward", "own servers")
-            response = client.post("/v1/fine_tuning/alpha/graders/run",
-                                   json={"grader": http(url), "model_sample": "x", "item": {}})  # fmt: skip
+            response = client.post(
+                "/v1/fine_tuning/alpha/graders/run", json={"grader": http(url), "model_sample": "x", "item": {}}
+            )
             assert response.status_code == 400, response.text
             assert error_of(response)["code"] == "reward_not_allowed"
         assert submit(client, reward=http("http://127.0.0.1:8002/score")).status_code == 201

@@ -80,8 +80,9 @@ def test_an_unsupported_sdk_is_told_which_versions_are(api: TestClient, project:
     assert api.post("/api/v1/client/dynamic_config", json={}).json()["sample_cancel_enabled"] is True
 
 
-def test_a_session_is_a_job_queued_for_a_train_worker_once_it_has_a_model(api: TestClient, client: TestClient,
-                                                                           calls: Calls) -> None:  # fmt: skip
+def test_a_session_is_a_job_queued_for_a_train_worker_once_it_has_a_model(
+    api: TestClient, client: TestClient, calls: Calls
+) -> None:
     session_id = session_of(api)
     job = client.get(f"/v1/jobs/{session_id}").json()
     assert job["type"] == "session" and job["status"] == "waiting"
@@ -103,8 +104,9 @@ def test_a_session_is_a_job_queued_for_a_train_worker_once_it_has_a_model(api: T
     assert client.get(f"/v1/jobs/{session_id}").json()["status"] == "cancelled"
 
 
-def test_a_refused_base_model_ends_a_session_that_holds_nothing_else(api: TestClient, client: TestClient,
-                                                                     calls: Calls) -> None:  # fmt: skip
+def test_a_refused_base_model_ends_a_session_that_holds_nothing_else(
+    api: TestClient, client: TestClient, calls: Calls
+) -> None:
     """The misspelt ``base_model`` of a script's first training client: the 400 names it, and the session ends at
     once (failed, the reason as its error) without ever holding the train worker."""
     session_id = session_of(api)
@@ -126,8 +128,10 @@ def test_a_refused_base_model_ends_a_session_that_holds_nothing_else(api: TestCl
 
 
 def test_a_session_names_itself_by_the_sdks_display_name(api: TestClient, client: TestClient) -> None:
-    answer = api.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0",
-                                                       "display_name": "nightly\nsweep"})  # fmt: skip
+    answer = api.post(
+        "/api/v1/create_session",
+        json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "display_name": "nightly\nsweep"},
+    )
     session_id = answer.json()["session_id"]
     create_model(api, session_id)
     [job] = [j for j in client.get("/v1/jobs", params={"type": "session"}).json()["data"] if j["id"] == session_id]
@@ -152,8 +156,9 @@ def test_sessions_count_among_pending_jobs_and_are_bounded_per_project(
     assert pending.status_code == 429 and pending.json()["error"]["code"] == "too_many_pending_jobs"
 
 
-def test_a_waiting_request_says_why_it_waits(api: TestClient, project: Project, db: Db, settings: Settings,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_waiting_request_says_why_it_waits(
+    api: TestClient, project: Project, db: Db, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(routes, "LONG_POLL_S", 0.1)
     session_id = session_of(api)
     request_id = create_model(api, session_id)["request_id"]
@@ -161,8 +166,11 @@ def test_a_waiting_request_says_why_it_waits(api: TestClient, project: Project, 
     def waiting() -> tuple[int, int]:
         answer = api.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
         assert (answer["type"], answer["queue_state"]) == ("try_again", "paused_capacity"), answer
-        reason = re.fullmatch(r"no free train worker on queue 'train': (\d+) jobs? ahead of this session, (\d+) "
-                              r"running", answer["queue_state_reason"])  # fmt: skip
+        reason = re.fullmatch(
+            r"no free train worker on queue 'train': (\d+) jobs? ahead of this session, (\d+) "
+            r"running",
+            answer["queue_state_reason"],
+        )
         assert reason is not None, answer
         return int(reason.group(1)), int(reason.group(2))
 
@@ -182,11 +190,17 @@ def test_a_waiting_request_says_why_it_waits(api: TestClient, project: Project, 
 
 def test_a_sample_past_the_work_bound_is_refused_before_it_runs(api: TestClient, settings: Settings) -> None:
     session_id = session_of(api)
-    sampler = api.post("/api/v1/create_sampling_session", json={"session_id": session_id, "sampling_session_seq_id": 0,
-                                                                "base_model": "builtin:tiny"})  # fmt: skip
-    body = {"sampling_session_id": sampler.json()["sampling_session_id"], "seq_id": 1, "num_samples": 256,
-            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
-            "sampling_params": {"max_tokens": 4096}}  # fmt: skip
+    sampler = api.post(
+        "/api/v1/create_sampling_session",
+        json={"session_id": session_id, "sampling_session_seq_id": 0, "base_model": "builtin:tiny"},
+    )
+    body = {
+        "sampling_session_id": sampler.json()["sampling_session_id"],
+        "seq_id": 1,
+        "num_samples": 256,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+        "sampling_params": {"max_tokens": 4096},
+    }
     refused = api.post("/api/v1/asample", json=body)
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
@@ -198,17 +212,26 @@ def test_a_sample_past_the_work_bound_is_refused_before_it_runs(api: TestClient,
     ).is_success
 
 
-def test_a_sampler_save_is_a_model_by_its_name(api: TestClient, client: TestClient, project: Project, db: Db,
-                                               calls: Calls, settings: Settings) -> None:  # fmt: skip
+def test_a_sampler_save_is_a_model_by_its_name(
+    api: TestClient, client: TestClient, project: Project, db: Db, calls: Calls, settings: Settings
+) -> None:
     """``job:<session>@<name>`` and ``tinker://<model>/sampler_weights/<name>`` work where ``job:<id>@<step>``
     does: a job's model, the OpenAI endpoints' model."""
     session_id = session_of(api)
     model_id = create_model(api, session_id)["model_id"]
     db.checkpoint(session_id, 1)
     with db.session() as session:
-        sessions.add_checkpoint(session, session_id=session_id, project_id=project.id, model_id=model_id,
-                                kind="sampler_weights", name="sft-v1.2", path=f"jobs/{session_id}/checkpoints/step-1/"
-                                "policy", step=1, size_bytes=1)  # fmt: skip
+        sessions.add_checkpoint(
+            session,
+            session_id=session_id,
+            project_id=project.id,
+            model_id=model_id,
+            kind="sampler_weights",
+            name="sft-v1.2",
+            path=f"jobs/{session_id}/checkpoints/step-1/policy",
+            step=1,
+            size_bytes=1,
+        )
     names = (f"job:{session_id}@sft-v1.2", f"tinker://{model_id}/sampler_weights/sft-v1.2")
     for name in names:
         with db.session() as session:
@@ -223,8 +246,10 @@ def test_a_sampler_save_is_a_model_by_its_name(api: TestClient, client: TestClie
         assert job.status_code == 201, job.text
     missing = client.post("/v1/jobs", json={**SFT_SPEC, "model": f"job:{session_id}@sft-v2"})
     assert missing.status_code == 422 and missing.json()["error"]["code"] == "checkpoint_not_found"
-    chat = client.post("/v1/chat/completions", json={"model": f"job:{session_id}@sft-v2",
-                                                     "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    chat = client.post(
+        "/v1/chat/completions",
+        json={"model": f"job:{session_id}@sft-v2", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert chat.status_code == 404 and "sft-v2" in chat.json()["error"]["message"]
 
 
@@ -315,9 +340,17 @@ def test_every_tinker_route_keeps_another_projects_sessions_models_and_weights_o
             folder = settings.resolved_artifacts_dir / "jobs" / session_id / kind / "0" / "a"
             folder.mkdir(parents=True)
             (folder / "config.json").write_text("{}")
-            sessions.add_checkpoint(session, session_id=session_id, project_id=project.id, model_id=model_id,
-                                    kind=kind, name="a", path=f"jobs/{session_id}/{kind}/0/a", step=None,
-                                    size_bytes=2)  # fmt: skip
+            sessions.add_checkpoint(
+                session,
+                session_id=session_id,
+                project_id=project.id,
+                model_id=model_id,
+                kind=kind,
+                name="a",
+                path=f"jobs/{session_id}/{kind}/0/a",
+                step=None,
+                size_bytes=2,
+            )
     weights, sampler_weights = f"tinker://{model_id}/weights/a", f"tinker://{model_id}/sampler_weights/a"
     fwdbwd = forward_backward_request_to_proto(types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=[types.Datum(
@@ -368,8 +401,14 @@ def test_every_tinker_route_keeps_another_projects_sessions_models_and_weights_o
         ("POST", "/api/v1/telemetry"): {"json": {}},
         ("POST", "/api/v1/create_session"): {"json": {"sdk_version": "0.38.0"}},
     }
-    ids = {"{session_id}": session_id, "{sampler_id}": sampler_id, "{run_id}": model_id, "{kind}": "weights",
-           "{name}": "a", "{file}": "config.json"}  # fmt: skip
+    ids = {
+        "{session_id}": session_id,
+        "{sampler_id}": sampler_id,
+        "{run_id}": model_id,
+        "{kind}": "weights",
+        "{name}": "a",
+        "{file}": "config.json",
+    }
     other = TestClient(app, headers=headers(new_project(settings, "other")))
     walked = set()
     for route in [*hidden, *listing, *project_free]:
@@ -417,9 +456,17 @@ def test_weights_named_only_by_dots_are_refused_and_a_delete_removes_its_checkpo
         (folder / "state.pt").write_bytes(b"w")
     with session_scope(settings.resolved_database_url) as session:
         for name, path in (("mine", "0/mine"), ("..", "0/.."), ("theirs", "1/theirs")):
-            sessions.add_checkpoint(session, session_id=session_id, project_id=project.id, model_id=model_id,
-                                    kind="weights", name=name, path=f"jobs/{session_id}/weights/{path}", step=None,
-                                    size_bytes=1)  # fmt: skip
+            sessions.add_checkpoint(
+                session,
+                session_id=session_id,
+                project_id=project.id,
+                model_id=model_id,
+                kind="weights",
+                name=name,
+                path=f"jobs/{session_id}/weights/{path}",
+                step=None,
+                size_bytes=1,
+            )
     assert api.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights/%2E%2E").status_code == 200
     assert (weights / "0" / "mine" / "state.pt").exists() and (weights / "1" / "theirs" / "state.pt").exists()
     assert api.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights/mine").status_code == 200
@@ -433,22 +480,41 @@ def test_integers_past_their_range_and_sampling_params_of_the_wrong_type_are_4xx
 ) -> None:
     session_id = session_of(api)
     model_id = create_model(api, session_id)["model_id"]
-    sampler = api.post("/api/v1/create_sampling_session", json={"session_id": session_id, "sampling_session_seq_id": 0,
-                                                                "base_model": "builtin:tiny"})  # fmt: skip
+    sampler = api.post(
+        "/api/v1/create_sampling_session",
+        json={"session_id": session_id, "sampling_session_seq_id": 0, "base_model": "builtin:tiny"},
+    )
     sampler_id = sampler.json()["sampling_session_id"]
     huge = 2**63
     calls = [
         ("/api/v1/optim_step", {"model_id": model_id, "seq_id": huge, "adam_params": {}}, "seq_id"),
         ("/api/v1/save_weights", {"model_id": model_id, "seq_id": huge, "path": "a"}, "seq_id"),
-        ("/api/v1/create_model", {"session_id": session_id, "model_seq_id": huge, "base_model": "builtin:tiny"},
-         "model_seq_id"),
-        ("/api/v1/asample", {"sampling_session_id": sampler_id, "seq_id": huge, "prompt": {"chunks": []},
-                             "sampling_params": {}}, "seq_id"),
-    ]  # fmt: skip
-    for field, value in (("max_tokens", "many"), ("temperature", "hot"), ("seed", 2**64), ("stop", {"a": 1}),
-                         ("top_k", [1]), ("top_p", "x"), ("max_tokens", huge)):  # fmt: skip
-        body = {"sampling_session_id": sampler_id, "seq_id": 1, "prompt": {"chunks": []},
-                "sampling_params": {field: value}}  # fmt: skip
+        (
+            "/api/v1/create_model",
+            {"session_id": session_id, "model_seq_id": huge, "base_model": "builtin:tiny"},
+            "model_seq_id",
+        ),
+        (
+            "/api/v1/asample",
+            {"sampling_session_id": sampler_id, "seq_id": huge, "prompt": {"chunks": []}, "sampling_params": {}},
+            "seq_id",
+        ),
+    ]
+    for field, value in (
+        ("max_tokens", "many"),
+        ("temperature", "hot"),
+        ("seed", 2**64),
+        ("stop", {"a": 1}),
+        ("top_k", [1]),
+        ("top_p", "x"),
+        ("max_tokens", huge),
+    ):
+        body = {
+            "sampling_session_id": sampler_id,
+            "seq_id": 1,
+            "prompt": {"chunks": []},
+            "sampling_params": {field: value},
+        }
         calls.append(("/api/v1/asample", body, f"sampling_params.{field}"))
     for path, body, field in calls:
         answer = api.post(path, json=body)
@@ -462,15 +528,20 @@ def test_integers_past_their_range_and_sampling_params_of_the_wrong_type_are_4xx
 
 def fwdbwd_body(model_id: str, seq_id: int, data: list[types.Datum]) -> Any:
     """The SDK's protobuf of a forward_backward of ``data`` (a message, to change before it is serialized)."""
-    return forward_backward_request_to_proto(types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
-        model_id=model_id, seq_id=seq_id,
-    ))  # fmt: skip
+    return forward_backward_request_to_proto(
+        types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+            model_id=model_id,
+            seq_id=seq_id,
+        )
+    )
 
 
 def a_datum(n: int = 3) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(list(range(1, n + 1))),
-                       loss_fn_inputs={"target_tokens": list(range(2, n + 2)), "weights": [1.0] * n})  # fmt: skip
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(list(range(1, n + 1))),
+        loss_fn_inputs={"target_tokens": list(range(2, n + 2)), "weights": [1.0] * n},
+    )
 
 
 def test_a_forward_backward_past_the_dense_element_budget_is_refused_before_it_is_stored(
@@ -556,9 +627,16 @@ def test_external_weights_download_by_urls_this_server_signs_until_they_expire(
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(data)
     (folder / "link").symlink_to(folder / "adapter_config.json")  # never served
-    checkpoint = {"session_id": session_id, "project_id": project.id, "model_id": model_id, "kind": "external_weights",
-                  "name": "final", "path": f"jobs/{session_id}/external_weights/0/final", "step": None,
-                  "size_bytes": 3010}  # fmt: skip
+    checkpoint = {
+        "session_id": session_id,
+        "project_id": project.id,
+        "model_id": model_id,
+        "kind": "external_weights",
+        "name": "final",
+        "path": f"jobs/{session_id}/external_weights/0/final",
+        "step": None,
+        "size_bytes": 3010,
+    }
     with session_scope(settings.resolved_database_url) as session:
         sessions.add_checkpoint(session, **checkpoint)
     checkpoints = f"/api/v1/training_runs/{model_id}/checkpoints"
@@ -574,8 +652,12 @@ def test_external_weights_download_by_urls_this_server_signs_until_they_expire(
             str(len(files[name])),
         )
     url = answer["urls"]["adapter_model.safetensors"]
-    forged = [url[:-1] + ("0" if url[-1] != "0" else "1"), url.replace("adapter_model.safetensors", "link"),
-              url.replace("adapter_model.safetensors", "adapter_config.json"), url.split("?")[0]]  # fmt: skip
+    forged = [
+        url[:-1] + ("0" if url[-1] != "0" else "1"),
+        url.replace("adapter_model.safetensors", "link"),
+        url.replace("adapter_model.safetensors", "adapter_config.json"),
+        url.split("?")[0],
+    ]
     for bad in forged:
         refused = anonymous.get(bad)
         assert (refused.status_code, refused.json()["error"]["code"]) == (401, "invalid_api_key"), bad

@@ -321,8 +321,11 @@ def test_dense_elements_past_the_datum_or_request_budget_are_refused_before_anyt
     request = parse_forward_backward(message.SerializeToString(), None)
     # per datum: 3 tokens + 3 targets + 3 weights, or 6 of a sparse (2, 3) weights: 9, 12 and 9
     assert decode_datums(request, budget=ElementBudget(datum=12, request=30))[1].inputs["weights"].shape == (2, 3)
-    with pytest.raises(TooLarge, match=r"^data\[1\]: 12 elements once dense \(loss_fn_inputs\.weights: 6\), more "
-                       r"than the 11 a datum") as datum:  # fmt: skip
+    with pytest.raises(
+        TooLarge,
+        match=r"^data\[1\]: 12 elements once dense \(loss_fn_inputs\.weights: 6\), more "
+        r"than the 11 a datum",
+    ) as datum:
         decode_datums(request, budget=ElementBudget(datum=11, request=30))
     assert datum.value.bound == "datum"
     with pytest.raises(TooLarge, match=r"^data: 30 elements .* by data\[2\] of 3 datums, more than the 29") as total:
@@ -340,8 +343,11 @@ def test_input_names_the_loss_does_not_take_are_refused_before_decoding() -> Non
         tinker_public_pb2.Tensor(dense=b"\x00" * 3, dtype=FLOAT32, shape=[1 << 40])  # would not decode either
     )
     request = parse_forward_backward(message.SerializeToString(), None)
-    with pytest.raises(UserError, match=r"^data\[1\]\.loss_fn_inputs\.mask: not an input of loss 'cross_entropy' "
-                       r"\(its inputs: target_tokens, weights\)"):  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=r"^data\[1\]\.loss_fn_inputs\.mask: not an input of loss 'cross_entropy' "
+        r"\(its inputs: target_tokens, weights\)",
+    ):
         decode_datums(request, inputs=("target_tokens", "weights"))
 
 

@@ -32,18 +32,32 @@ def clean_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[
     ("variable", "value", "field", "expected"),
     [
         ("RLHF_REWARD_URLS", "loopback", "reward_urls", ["loopback"]),
-        ("RLHF_REWARD_URLS", "loopback, https://rewards.internal/", "reward_urls", ["loopback", "https://rewards.internal/"]),
+        (
+            "RLHF_REWARD_URLS",
+            "loopback, https://rewards.internal/",
+            "reward_urls",
+            ["loopback", "https://rewards.internal/"],
+        ),
         ("RLHF_REWARD_URLS", '["loopback"]', "reward_urls", ["loopback"]),
         ("RLHF_REWARD_URLS", "", "reward_urls", []),
-        ("RLHF_REWARD_FUNCTIONS", "my_rewards:length,my_rewards:format", "reward_functions",
-         ["my_rewards:length", "my_rewards:format"]),
+        (
+            "RLHF_REWARD_FUNCTIONS",
+            "my_rewards:length,my_rewards:format",
+            "reward_functions",
+            ["my_rewards:length", "my_rewards:format"],
+        ),
         ("RLHF_TRACKING", "tensorboard", "tracking", ["tensorboard"]),
         ("RLHF_TRACKING", "tensorboard,mlflow", "tracking", ["tensorboard", "mlflow"]),
         ("RLHF_CORS_ORIGINS", "https://dash.example.com", "cors_origins", ["https://dash.example.com"]),
         ("RLHF_DEVICE_MEMORY", '{"train": "80GB"}', "device_memory", {"train": 80_000_000_000}),
-        ("RLHF_JUDGES", '{"small": {"url": "http://127.0.0.1:8000/v1"}}', "judges", {"small": "http://127.0.0.1:8000/v1"}),
+        (
+            "RLHF_JUDGES",
+            '{"small": {"url": "http://127.0.0.1:8000/v1"}}',
+            "judges",
+            {"small": "http://127.0.0.1:8000/v1"},
+        ),
     ],
-)  # fmt: skip
+)
 def test_list_settings_take_a_bare_word_a_comma_list_or_json(
     monkeypatch: pytest.MonkeyPatch, variable: str, value: str, field: str, expected: Any
 ) -> None:
@@ -56,15 +70,21 @@ def test_list_settings_take_a_bare_word_a_comma_list_or_json(
     ("env", "lines"),
     [
         ({"RLHF_DEVICE_MEMORY": '{"train": "0"}'}, ["RLHF_DEVICE_MEMORY: 'train': Input should be greater than 0"]),
-        ({"RLHF_DEVICE_MEMORY": '{"train": "0GB", "big": "-80GB"}'},
-         ["RLHF_DEVICE_MEMORY: 'train': Input should be greater than 0; 'big': could not parse value and unit"]),
+        (
+            {"RLHF_DEVICE_MEMORY": '{"train": "0GB", "big": "-80GB"}'},
+            ["RLHF_DEVICE_MEMORY: 'train': Input should be greater than 0; 'big': could not parse value and unit"],
+        ),
         ({"RLHF_DEVICE_MEMORY": "80GB"}, ["RLHF_DEVICE_MEMORY: not a JSON object"]),
-        ({"RLHF_JUDGES": '{"small": {"url": ""}', "RLHF_TRACKING": "tensorboard,tensorbord"},
-         ["RLHF_JUDGES: not a JSON object", "RLHF_TRACKING: item 1: Input should be 'tensorboard', 'mlflow'"]),
-        ({"RLHF_REWARD_URLS": '["loopback"', "RLHF_MAX_PROCESSES": "eight"},
-         ["RLHF_MAX_PROCESSES: Input should be a valid integer", "RLHF_REWARD_URLS: not a JSON list"]),
+        (
+            {"RLHF_JUDGES": '{"small": {"url": ""}', "RLHF_TRACKING": "tensorboard,tensorbord"},
+            ["RLHF_JUDGES: not a JSON object", "RLHF_TRACKING: item 1: Input should be 'tensorboard', 'mlflow'"],
+        ),
+        (
+            {"RLHF_REWARD_URLS": '["loopback"', "RLHF_MAX_PROCESSES": "eight"},
+            ["RLHF_MAX_PROCESSES: Input should be a valid integer", "RLHF_REWARD_URLS: not a JSON list"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_each_variable_that_does_not_read_is_one_line_naming_it(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], lines: list[str]
 ) -> None:
