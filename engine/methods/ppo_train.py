@@ -90,14 +90,8 @@ def train_ppo(spec: JobSpec, out_dir: Path, callbacks: Callbacks, device: torch.
     critic = ranks.wrap(ScalarHead(value_model), compile=cfg.torch_compile)  # trained through; rollouts use the model
     learner.also_trained["value"] = critic
     saved = {"policy": learner.model, "value": value_model}  # the checkpoints' models
-    objective = Objective(
-        cfg.policy_loss,
-        cfg.loss_settings,
-        aggregation=cfg.aggregation,
-        max_tokens=cfg.response_length,
-        entropy=True,
-        entropy_coef=cfg.entropy_coef,
-    )
+    objective = Objective(cfg.policy_loss, cfg.loss_settings, aggregation=cfg.aggregation,
+                          max_tokens=cfg.response_length, entropy=True, entropy_coef=cfg.entropy_coef)  # fmt: skip
 
     # Optimizer (policy and critic, each at its learning rate), schedule, RNGs, KL controller, running score
     # moments and collapse monitor, restored from the last checkpoint when there is one
