@@ -6,14 +6,30 @@ as the API writes them: a project with an API key, and a queued job.
     job_id = create_job(settings, project.id, {"type": "sft", "model": "builtin:tiny", "dataset": "..."})
 """
 
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from engine.spec.config import JobSpec
 from jobs.store import crud
 from jobs.store.db import session_scope
-from jobs.store.settings import Settings
+from jobs.store.settings import Settings, get_settings
+
+
+def environment_settings(monkeypatch: pytest.MonkeyPatch, data_dir: Path) -> Iterator[None]:
+    """For a fixture of tests that read the settings from the environment: no RLHF_* variable of it leaks in, the
+    data folder is ``data_dir``, and the cached settings are dropped before and after."""
+    for name in list(os.environ):
+        if name.startswith("RLHF_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("RLHF_DATA_DIR", str(data_dir))
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
 
 
 def make_settings(data_dir: Path, database_url: str | None, **overrides: Any) -> Settings:

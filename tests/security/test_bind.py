@@ -14,6 +14,7 @@ import jobs.cli
 import jobs.supervisor
 from jobs.cli import check_bind_address, is_loopback
 from jobs.store.settings import get_settings
+from tests.factories import environment_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 REMOTE = ["0.0.0.0", "::", "192.168.1.10", "10.0.0.1", "example.com", ""]
@@ -23,13 +24,7 @@ LOOPBACK = ["127.0.0.1", "127.0.0.2", "localhost", "LOCALHOST", "::1", "[::1]"]
 @pytest.fixture(autouse=True)
 def clean_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     """No RLHF_* variable of the environment leaks in; the cached settings are dropped before and after."""
-    for name in list(os.environ):
-        if name.startswith("RLHF_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("RLHF_DATA_DIR", str(tmp_path / "data"))
-    get_settings.cache_clear()
-    yield
-    get_settings.cache_clear()
+    yield from environment_settings(monkeypatch, tmp_path / "data")
 
 
 class Started(BaseException):

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from jobs.store.settings import InvalidSettings, Settings, get_settings, load_settings
+from tests.factories import environment_settings
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -19,13 +20,7 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.fixture(autouse=True)
 def clean_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     """No RLHF_* variable of the environment leaks in; the cached settings are dropped before and after."""
-    for name in list(os.environ):
-        if name.startswith("RLHF_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("RLHF_DATA_DIR", str(tmp_path / "data"))
-    get_settings.cache_clear()
-    yield
-    get_settings.cache_clear()
+    yield from environment_settings(monkeypatch, tmp_path / "data")
 
 
 @pytest.mark.parametrize(
